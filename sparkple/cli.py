@@ -1,0 +1,47 @@
+"""The `sparkple` command line: one subcommand group per module, imported lazily.
+
+Lazy imports keep `sparkple build-table` runnable with only the standard library
+and numpy (the serving image's Python), without jinja2, yaml or torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import SparkpleError
+
+# subcommand -> module that defines `add_parser(subparsers, name)`; the parser's
+# default `func(args) -> int` runs it.
+COMMANDS: dict[str, str] = {
+    "synth-checkpoint": "sparkple.synth",
+    "build-table": "sparkple.build",
+    "verify-table": "sparkple.build",
+    "inspect-table": "sparkple.build",
+    "patch": "sparkple.patching",
+}
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="sparkple", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    wanted = argv[0] if argv and argv[0] in COMMANDS else None
+    for name, module in COMMANDS.items():
+        if wanted is None or name == wanted:
+            importlib.import_module(module).add_parser(sub, name)
+        else:
+            sub.add_parser(name, help=f"see `sparkple {name} --help`")
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except SparkpleError as exc:
+        print(f"sparkple {args.command}: {exc}", file=sys.stderr)
+        return EXIT_CHECK_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
