@@ -20,7 +20,9 @@ import secrets
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
@@ -44,7 +46,7 @@ from .tablemeta import (
 
 BUILDER_VERSION = "sparkple-build-1"
 DEFAULT_CHUNK_MIB = 8
-DEFAULT_VERIFY_ROWS = 4096
+DEFAULT_VERIFY_ROWS = 1024
 LOCK_NAME = ".build.lock"
 TMP_PREFIX = ".tmp-"
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
@@ -239,19 +241,32 @@ def _pread_into(fd: int, buf: memoryview, offset: int) -> None:
 
 
 class _Sources:
-    """Open source files; reads drop the pages they pulled in so the page cache stays small."""
+    """Open source files. Streaming drops the pages it has used so the page cache stays small."""
 
-    def __init__(self) -> None:
-        self.fds: dict[Path, int] = {}
+    def __init__(self, random_access: bool = False) -> None:
+        self.fds: dict[tuple[Path, bool], int] = {}
+        # Sampled reads must not pull in readahead around every row.
+        self.advice = os.POSIX_FADV_RANDOM if random_access else os.POSIX_FADV_SEQUENTIAL
 
-    def read(self, info: TensorInfo, byte_start: int, buf: memoryview, drop: bool = True) -> None:
-        fd = self.fds.get(info.path)
+    def _fd(self, info: TensorInfo) -> int:
+        # One fd per file and tensor kind, so codes and scales keep separate readahead state.
+        key = (info.path, info.name.endswith("_scale"))
+        fd = self.fds.get(key)
         if fd is None:
-            fd = self.fds[info.path] = os.open(info.path, os.O_RDONLY)
+            fd = self.fds[key] = os.open(info.path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, self.advice)
+        return fd
+
+    def read(self, info: TensorInfo, byte_start: int, buf: memoryview, drop: bool = False) -> None:
+        fd = self._fd(info)
         offset = info.offset + byte_start
         _pread_into(fd, buf, offset)
         if drop:
             os.posix_fadvise(fd, offset, len(buf), os.POSIX_FADV_DONTNEED)
+
+    def drop(self, info: TensorInfo) -> None:
+        """Drop a whole tensor's pages (once nothing reads near it any more)."""
+        os.posix_fadvise(self._fd(info), info.offset, info.nbytes, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -260,9 +275,13 @@ class _Sources:
 
 
 def _chunks(plan: Plan, chunk_bytes: int) -> Iterator[tuple[Shard, int, int]]:
-    """(shard, first row, row count) of each chunk, in table order."""
+    """(shard, first row, row count) of each chunk.
+
+    Shards go in the order their rows lie on disk (the index's lexical order, not numeric):
+    readahead past the end of one tensor then fetches the next one read, not one already done.
+    """
     step = max(1, chunk_bytes // plan.fmt.row_width)
-    for shard in plan.shards:
+    for shard in sorted(plan.shards, key=lambda s: (str(s.codes.path), s.codes.offset)):
         for start in range(0, shard.rows, step):
             yield shard, start, min(step, shard.rows - start)
 
@@ -279,13 +298,35 @@ def _fill(plan: Plan, src: _Sources, slot: _Slot, shard: Shard, start: int, n: i
     f = plan.fmt
     if shard.scales is None:  # FP8: rows are already packed
         view = memoryview(slot.out[:n]).cast("B")
-        src.read(shard.codes, start * f.codes_width, view)
+        src.read(shard.codes, start * f.codes_width, view, drop=True)
         return view
-    src.read(shard.codes, start * f.codes_width, memoryview(slot.codes[:n]).cast("B"))
+    src.read(shard.codes, start * f.codes_width, memoryview(slot.codes[:n]).cast("B"), drop=True)
+    # Scales pages stay until the shard is done: the codes' readahead runs into them (they
+    # follow the codes in the file), and dropping them early would read them twice.
     src.read(shard.scales, start * f.scales_width, memoryview(slot.scales[:n]).cast("B"))
-    slot.out[:n, : f.codes_width] = slot.codes[:n]
-    slot.out[:n, f.codes_width :] = slot.scales[:n]
+    if start + n == shard.rows:
+        src.drop(shard.scales)
+    _copy_columns(slot.out, 0, slot.codes, n)
+    _copy_columns(slot.out, f.codes_width, slot.scales, n)
     return memoryview(slot.out[:n]).cast("B")
+
+
+def _copy_columns(dst: np.ndarray, col: int, src: np.ndarray, n: int) -> None:
+    """dst[:n, col:col+w] = src[:n], moving 8/4/2/1-byte words instead of single bytes.
+
+    Rows are 90 B, so the words are unaligned; numpy still copies them about twice as fast
+    as a byte-wise strided copy, which matters at NVMe speeds.
+    """
+    width = src.shape[1]
+    pos = 0
+    for size in (8, 4, 2, 1):
+        count = (width - pos) // size
+        if count == 0:
+            continue
+        dtype = np.dtype(f"<u{size}")
+        d = np.ndarray((n, count), dtype, dst, col + pos, (dst.strides[0], size))
+        d[...] = np.ndarray((n, count), dtype, src, pos, (src.strides[0], size))
+        pos += count * size
 
 
 def stream_rows(plan: Plan, chunk_bytes: int, depth: int = 3) -> Iterator[tuple[int, memoryview]]:
@@ -410,29 +451,33 @@ def _current(out: Path) -> tuple[TableMeta | None, str | None]:
         return None, str(exc)
 
 
-def verify_rows(plan: Plan, data_path: Path, rows: np.ndarray) -> list[int]:
-    """Rows of the data file that differ from the snapshot (byte comparison)."""
+def verify_rows(plan: Plan, data_path: Path, rows: np.ndarray, threads: int = 8) -> list[int]:
+    """Rows of the data file that differ from the snapshot (byte comparison).
+
+    Sampled rows are random reads: several threads keep the disk's queue busy.
+    """
+    parts = [p for p in np.array_split(np.asarray(rows, dtype=np.int64), threads) if p.size]
+    with ThreadPoolExecutor(max_workers=max(1, len(parts))) as pool:
+        found = pool.map(lambda part: _verify_part(plan, data_path, part), parts)
+        return sorted(r for bad in found for r in bad)
+
+
+def _verify_part(plan: Plan, data_path: Path, rows: np.ndarray) -> list[int]:
     g, f = plan.geometry, plan.fmt
-    src = _Sources()
+    src = _Sources(random_access=True)
     bad = []
     want = np.empty(f.row_width, dtype=np.uint8)
+    codes, scales = memoryview(want[: f.codes_width]), memoryview(want[f.codes_width :])
     fd = os.open(data_path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     try:
         for r in rows.tolist():
             shard = plan.shards[r // g.rows_per_shard]
             local = r % g.rows_per_shard
-            src.read(
-                shard.codes, local * f.codes_width, memoryview(want[: f.codes_width]), drop=False
-            )
+            src.read(shard.codes, local * f.codes_width, codes, drop=False)
             if shard.scales is not None:
-                src.read(
-                    shard.scales,
-                    local * f.scales_width,
-                    memoryview(want[f.codes_width :]),
-                    drop=False,
-                )
-            got = os.pread(fd, f.row_width, r * f.row_width)
-            if got != want.tobytes():
+                src.read(shard.scales, local * f.scales_width, scales, drop=False)
+            if os.pread(fd, f.row_width, r * f.row_width) != want.tobytes():
                 bad.append(r)
     finally:
         os.close(fd)
@@ -512,16 +557,18 @@ def _write_and_publish(
         if total:
             os.posix_fallocate(fd, 0, total)
         done = 0
-        dropped = 0
+        written: deque[tuple[int, int]] = deque()
         for offset, data in stream_rows(plan, chunk):
             n = os.pwrite(fd, data, offset)
             while n < len(data):
                 n += os.pwrite(fd, data[n:], offset + n)
             done += len(data)
-            # Start writeback and drop pages written a while ago: bounded page cache, no stall.
-            if done - dropped >= 4 * chunk:
-                os.posix_fadvise(fd, dropped, done - dropped - chunk, os.POSIX_FADV_DONTNEED)
-                dropped = done - chunk
+            # DONTNEED on dirty pages starts their writeback without waiting; a second one a
+            # few chunks later drops them once clean. The page cache stays small, nothing stalls.
+            os.posix_fadvise(fd, offset, len(data), os.POSIX_FADV_DONTNEED)
+            written.append((offset, len(data)))
+            if len(written) > 4:
+                os.posix_fadvise(fd, *written.popleft(), os.POSIX_FADV_DONTNEED)
             progress.update(done)
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
