@@ -230,7 +230,8 @@ def main() -> int:
                 print(
                     f"rep {rep + 1} {name:5s}: {r['wall_s']:6.2f} s  "
                     f"{plan.data_bytes / 2**20 / r['wall_s']:7.1f} MiB/s  "
-                    f"peak RSS {r['peak_rss_mib']:6.1f} MiB  disk read {r['disk_read_mib']:7.1f} MiB  "
+                    f"peak RSS {r['peak_rss_mib']:6.1f} MiB  "
+                    f"disk read {r['disk_read_mib']:7.1f} MiB  "
                     f"(resident before {r['resident_before_mib']:.1f} MiB)",
                     flush=True,
                 )
