@@ -718,7 +718,7 @@ def _run_build(args: argparse.Namespace) -> int:
             quiet=args.quiet,
         )
     except SparkpleError as exc:
-        print(f"build-table: {exc}\nnothing was published in {args.out_dir}", file=sys.stderr)
+        print(f"build-table: {exc}\nnothing new was published in {args.out_dir}", file=sys.stderr)
         return EXIT_CHECK_FAILED
     where = meta.data_path(args.out_dir)
     if status == "up-to-date":

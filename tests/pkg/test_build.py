@@ -292,7 +292,7 @@ def test_bad_input_is_refused_and_writes_nothing(snapshots, tmp_path, case):
     import re
 
     assert re.search(message, res.stderr), res.stderr
-    assert "nothing was published" in res.stderr
+    assert "nothing new was published" in res.stderr
     assert not (tmp_path / "t").exists()
 
 
