@@ -10,6 +10,7 @@ numpy are imported on this path, so it runs with the serving image's Python.
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import hashlib
 import json
@@ -522,8 +523,8 @@ def build_table(
             if not force:
                 raise BuildError(
                     f"{out / META_NAME} was built from a different snapshot or geometry "
-                    f"(differs in: "
-                    f"{', '.join(diff)}); rerun with --force to rebuild it from {plan.snapshot.dir}"
+                    f"(differs in: {', '.join(diff)}); "
+                    f"rerun with --force to rebuild it from {plan.snapshot.dir}"
                 )
         elif broken is not None and not force:
             raise BuildError(f"{broken}\nrerun with --force to replace it")
@@ -546,9 +547,37 @@ def _write_and_publish(
     plan: Plan, out: Path, chunk_mib: float, verify_count: int, log: TextIO, quiet: bool
 ) -> TableMeta:
     build_id = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(4)
-    final_data = data_name(build_id)
-    tmp_data = out / f"{TMP_PREFIX}{final_data}"
+    tmp_data = out / f"{TMP_PREFIX}{data_name(build_id)}"
     tmp_meta = out / f"{TMP_PREFIX}{build_id}-{META_NAME}"
+    try:
+        return _write_verify_rename(
+            plan, out, build_id, tmp_data, tmp_meta, chunk_mib, verify_count, log, quiet
+        )
+    except BaseException as exc:
+        # A failed build removes its temporary files; a killed one leaves them to the next run.
+        tmp_data.unlink(missing_ok=True)
+        tmp_meta.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise BuildError(
+                f"cannot write the table in {out}: {exc}; free some space or choose another OUT_DIR"
+                if exc.errno == errno.ENOSPC
+                else f"cannot write the table in {out}: {exc}"
+            ) from exc
+        raise
+
+
+def _write_verify_rename(
+    plan: Plan,
+    out: Path,
+    build_id: str,
+    tmp_data: Path,
+    tmp_meta: Path,
+    chunk_mib: float,
+    verify_count: int,
+    log: TextIO,
+    quiet: bool,
+) -> TableMeta:
+    final_data = data_name(build_id)
     total = plan.data_bytes
     chunk = max(plan.fmt.row_width, int(chunk_mib * 2**20))
     progress = Progress(total, f"build-table {out}", log, quiet)
