@@ -33,7 +33,7 @@ _MAGIC_VALUE = 0x53504B4C53455131  # "SPKLSEQ1"
 _STATE_NONE, _STATE_LIVE, _STATE_CLOSED = 0, 1, 2
 
 DEFAULT_TIMEOUT_S = 300.0
-DEFAULT_SPIN_S = 0.001  # busy-poll this long before sleeping: most steps finish sooner
+DEFAULT_SPIN_S = 0.001  # poll this long first when the producer is another process
 # Then sleep about 1/50 of the time waited so far: a late publish is seen at most ~2% late,
 # and a long wait costs few wakeups.
 _SLEEP_MIN_S = 0.00002
@@ -208,13 +208,19 @@ class Publisher:
 
 
 class Waiter:
-    """The consumer side: `wait(seq)` returns once the flag has reached `seq`."""
+    """The consumer side: `wait(seq)` returns once the flag has reached `seq`.
+
+    It polls with bare yields for `spin_s` (default: 1 ms when the producer is another
+    process, none when it is a thread of this one), then sleeps about 2% of the time waited
+    so far (20 us to 1 ms per sleep), checking every `liveness_every_s` that the producer
+    is still there.
+    """
 
     def __init__(
         self,
         flag: SeqFlag,
         *,
-        spin_s: float = DEFAULT_SPIN_S,
+        spin_s: float | None = None,
         liveness_every_s: float = _LIVENESS_EVERY_S,
     ) -> None:
         self.flag = flag
@@ -236,32 +242,34 @@ class Waiter:
 
     def _wait(self, seq: int, timeout_s: float) -> int:
         slots = self.flag._slots
+        value = slots[_SEQ]
+        if value >= seq:
+            return value
         start = time.perf_counter()
-        spin_until = start + self.spin_s
-        while True:
-            value = slots[_SEQ]
-            if value >= seq:
-                return value
-            if time.perf_counter() >= spin_until:
-                break
+        deadline = start + timeout_s
+        spin_s = self.spin_s
+        if spin_s is None:
+            # A producer thread in this process needs the CPU and the GIL this thread would
+            # burn spinning: only spin for a producer in another process.
+            spin_s = 0.0 if self.flag._get(_PID) == os.getpid() else DEFAULT_SPIN_S
+        next_check = start + spin_s
         with _fine_timer_slack():
-            return self._sleep_wait(seq, start, start + timeout_s)
-
-    def _sleep_wait(self, seq: int, start: float, deadline: float) -> int:
-        slots = self.flag._slots
-        next_check = start
-        while True:
-            value = slots[_SEQ]
-            if value >= seq:
-                return value
-            now = time.perf_counter()
-            if now >= next_check:
-                self._check_producer(seq)
-                next_check = now + self.liveness_every_s
-            if now >= deadline:
-                raise HandshakeTimeout(seq, value, now - start)
-            step = min(max(_SLEEP_MIN_S, (now - start) * _SLEEP_FRACTION), _SLEEP_MAX_S)
-            time.sleep(min(step, deadline - now))
+            while True:
+                value = slots[_SEQ]
+                if value >= seq:
+                    return value
+                now = time.perf_counter()
+                if now >= next_check:
+                    self._check_producer(seq)
+                    next_check = now + self.liveness_every_s
+                if now >= deadline:
+                    raise HandshakeTimeout(seq, value, now - start)
+                waited = now - start
+                if waited < spin_s:  # sleep(0): poll, yet let other threads run
+                    pause = 0.0
+                else:
+                    pause = min(max(_SLEEP_MIN_S, waited * _SLEEP_FRACTION), _SLEEP_MAX_S)
+                time.sleep(min(pause, deadline - now))
 
     def _check_producer(self, seq: int) -> None:
         flag = self.flag

@@ -110,7 +110,7 @@ class GatherWorker:
         else:
             self.prefetcher = Prefetcher(table) if prefetch else None
         self._flag = SeqFlag.create()
-        self._waiter = Waiter(self._flag) if spin_s is None else Waiter(self._flag, spin_s=spin_s)
+        self._waiter = Waiter(self._flag, spin_s=spin_s)
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Condition()
         self._free = list(range(slots))
