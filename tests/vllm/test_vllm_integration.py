@@ -1,0 +1,83 @@
+"""Integration with the real vLLM 0.33.0 package on CPU: stock PLE vs the patched backend."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from sparkple import patching
+from sparkple.build import build_table
+from sparkple.synth import synth_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).resolve().parent / "ple_equivalence.py"
+
+
+@pytest.fixture(scope="module")
+def equivalence(vllm_venv: Path, vllm_originals: Path, tmp_path_factory) -> dict:
+    work = tmp_path_factory.mktemp("ple-equivalence")
+    snapshot = synth_checkpoint(work / "snapshot", quant="nvfp4", vocab_base=300, files=2, seed=7)
+    table = work / "table"
+    build_table(snapshot, table)
+    rendered = work / "rendered"
+    patching.render("vllm-0.33", vllm_originals, rendered)
+    result_path = work / "result.json"
+    # sparkple comes from this checkout, as the serving container's PYTHONPATH mount provides it
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("VLLM_PLE_PACKED_TABLE_DIR", None)
+    args = [str(vllm_venv), str(SCRIPT), str(snapshot), str(table), str(rendered), str(result_path)]
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=work)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    result = json.loads(result_path.read_text())
+    result["rendered"] = str(rendered)
+    return result
+
+
+def test_stock_path_is_vllms_device_backend(equivalence: dict) -> None:
+    assert equivalence["stock_backend"] == "Qwen4ExpPLEDeviceEmbedding"
+    assert equivalence["stock_resident_bytes"] > 5000 * 16 * 90 // 16  # the rows are resident
+
+
+def test_patched_files_select_the_packed_table_backend(equivalence: dict) -> None:
+    assert equivalence["patched_module_file"].startswith(equivalence["rendered"])
+    assert equivalence["patched_backend"] == "Qwen4ExpPLEPackedTableEmbedding"
+    assert equivalence["table_advice"] == "random"
+
+
+def test_patched_backend_holds_no_shard_data(equivalence: dict) -> None:
+    # the table's weight and block scales are shapes only; the global scale and hash buffers load
+    assert equivalence["patched_weight_devices"] == ["meta"]
+    assert equivalence["patched_resident_bytes"] < 4096
+    assert "ngram_embedding.weight" in equivalence["patched_loaded"]
+    assert "ngram_embedding.weight_scale" in equivalence["patched_loaded"]
+    assert "ngram_embedding.weight_scale_2" in equivalence["patched_loaded"]
+    assert equivalence["global_scale_loaded"] == equivalence["global_scale_table"]
+    assert equivalence["buffers_equal"]
+
+
+def test_patched_outputs_equal_stock_in_the_model_dtype(equivalence: dict) -> None:
+    assert equivalence["bfloat16_steps"] == 6
+    assert equivalence["bfloat16_shapes_equal"] and equivalence["bfloat16_nonzero"]
+    assert all(equivalence["bfloat16_identical"]), equivalence["bfloat16_max_abs_diff"]
+
+
+def test_patched_float32_outputs_equal_vllms_kernel_arithmetic(equivalence: dict) -> None:
+    # vLLM's CPU and CUDA paths multiply the three NVFP4 factors in different orders;
+    # sparkple follows the CUDA kernel bit for bit and the CPU path to one rounding.
+    assert equivalence["float32_steps"] == 6
+    assert equivalence["float32_shapes_equal"] and equivalence["float32_nonzero"]
+    assert all(equivalence["float32_identical_to_kernel_order"])
+    assert equivalence["float32_max_rel_diff_to_cpu_path"] <= 2.0**-23
+
+
+def test_chunked_prefill_and_decode_equal_one_pass(equivalence: dict) -> None:
+    assert equivalence["chunked_equals_whole"]
+
+
+def test_sparkple_row_ids_equal_vllm_compute_ngram_ids(equivalence: dict) -> None:
+    assert equivalence["ngram_trials"] == 50
+    assert equivalence["ngram_mismatched"] == 0
