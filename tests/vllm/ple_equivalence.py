@@ -1,6 +1,6 @@
 """Run inside the vLLM test venv: stock vLLM PLE vs the patched packed-table backend.
 
-Usage: python ple_equivalence.py SNAPSHOT TABLE_DIR RENDERED_DIR RESULT_JSON
+Usage: python ple_equivalence.py SNAPSHOT TABLE_DIR RENDERED_DIR RESULT_JSON [DEVICE]
 
 Builds vLLM 0.33.0's own `Qwen4ExpNGramEmbedding` from a synthetic checkpoint twice: with the
 stock device backend (rows loaded into a tensor), and with the rendered patch files laid over
@@ -26,6 +26,8 @@ from safetensors import safe_open
 
 MAX_TOKENS = 512
 PLE_DECODER_LAYER = 1  # ple_layer_ids [2] is one-based
+# "cpu" (CI) or "cuda" (where vLLM's Triton kernels and the pinned-staging copy run)
+DEVICE = torch.device(sys.argv[5] if len(sys.argv) > 5 else "cpu")
 
 
 @contextmanager
@@ -34,7 +36,7 @@ def vllm_context(workdir: Path) -> Iterator[None]:
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
-    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device=DEVICE.type))):
         init_distributed_environment(
             world_size=1,
             rank=0,
@@ -62,15 +64,16 @@ def checkpoint_weights(snapshot: Path, prefix: str):
 def build(config, snapshot: Path, prefix: str, dtype: torch.dtype):
     module_name = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
     module = importlib.import_module(module_name)
-    layer = module.Qwen4ExpNGramEmbedding(
-        config,
-        int(config.ple_embed_dim),
-        PLE_DECODER_LAYER - 1 + 0,  # ple_dense_layer_id: index among PLE layers
-        MAX_TOKENS,
-        data_parallel_rank=0,
-        prefix=prefix.rstrip("."),
-        params_dtype=dtype,
-    )
+    with DEVICE:
+        layer = module.Qwen4ExpNGramEmbedding(
+            config,
+            int(config.ple_embed_dim),
+            0,  # ple_dense_layer_id: the model's first (and only) PLE layer
+            MAX_TOKENS,
+            data_parallel_rank=0,
+            prefix=prefix.rstrip("."),
+            params_dtype=dtype,
+        )
     loaded = layer.load_weights(checkpoint_weights(snapshot, prefix))
     embedding = layer.ngram_embedding
     embedding.embedding_method.process_weights_after_loading(embedding)
@@ -79,7 +82,7 @@ def build(config, snapshot: Path, prefix: str, dtype: torch.dtype):
 
 def run(layer, input_ids, query_start_loc, ngram_context) -> torch.Tensor:
     """One forward step of the PLE module, as the model runs it (prefetch one layer early)."""
-    hidden = torch.empty(input_ids.shape[0], 0)
+    hidden = torch.empty(input_ids.shape[0], 0, device=DEVICE)
     layer.start_prefetch(input_ids, query_start_loc, ngram_context)
     return layer(hidden, input_ids, query_start_loc, ngram_context)
 
@@ -107,10 +110,9 @@ def chunked_sequence(vocab: int, eos: int, seed: int, length: int = 300):
 
 
 def as_step(tokens, starts, context):
-    return (
-        torch.as_tensor(tokens, dtype=torch.int64),
-        torch.as_tensor(starts, dtype=torch.int64),
-        torch.as_tensor(context, dtype=torch.int64),
+    return tuple(
+        torch.as_tensor(np.asarray(x), dtype=torch.int64, device=DEVICE)
+        for x in (tokens, starts, context)
     )
 
 
@@ -190,7 +192,7 @@ def main() -> None:
             starts = np.concatenate([[0], np.cumsum(lengths)])
             context = rng.integers(0, vocab, size=(len(lengths), 2))
             context[rng.random(context.shape) < 0.3] = eos
-            theirs = stock_layer.compute_ngram_ids(*as_step(tokens, starts, context)).numpy()
+            theirs = stock_layer.compute_ngram_ids(*as_step(tokens, starts, context)).cpu().numpy()
             ours = row_ids(tokens, starts, context, geometry)
             mismatched += int(not np.array_equal(theirs, ours))
             result.setdefault("ngram_shape", list(theirs.shape)) if trial == 0 else None
@@ -250,6 +252,7 @@ def main() -> None:
         for layer, _ in patched_layers.values():
             layer.ngram_embedding.close()
 
+    result["device"] = DEVICE.type
     Path(result_path).write_text(json.dumps(result, indent=2))
 
 

@@ -17,24 +17,29 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "ple_equivalence.py"
 
 
-@pytest.fixture(scope="module")
-def equivalence(vllm_venv: Path, vllm_originals: Path, tmp_path_factory) -> dict:
-    work = tmp_path_factory.mktemp("ple-equivalence")
+def run_equivalence(vllm_venv: Path, vllm_originals: Path, work: Path, device: str) -> dict:
     snapshot = synth_checkpoint(work / "snapshot", quant="nvfp4", vocab_base=300, files=2, seed=7)
     table = work / "table"
-    build_table(snapshot, table)
+    build_table(snapshot, table, quiet=True)
     rendered = work / "rendered"
     patching.render("vllm-0.33", vllm_originals, rendered)
     result_path = work / "result.json"
     # sparkple comes from this checkout, as the serving container's PYTHONPATH mount provides it
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("VLLM_PLE_PACKED_TABLE_DIR", None)
-    args = [str(vllm_venv), str(SCRIPT), str(snapshot), str(table), str(rendered), str(result_path)]
-    proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=work)
+    args = [str(snapshot), str(table), str(rendered), str(result_path), device]
+    proc = subprocess.run(
+        [str(vllm_venv), str(SCRIPT), *args], capture_output=True, text=True, env=env, cwd=work
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     result = json.loads(result_path.read_text())
     result["rendered"] = str(rendered)
     return result
+
+
+@pytest.fixture(scope="module")
+def equivalence(vllm_venv: Path, vllm_originals: Path, tmp_path_factory) -> dict:
+    return run_equivalence(vllm_venv, vllm_originals, tmp_path_factory.mktemp("ple-cpu"), "cpu")
 
 
 def test_stock_path_is_vllms_device_backend(equivalence: dict) -> None:
@@ -81,3 +86,28 @@ def test_chunked_prefill_and_decode_equal_one_pass(equivalence: dict) -> None:
 def test_sparkple_row_ids_equal_vllm_compute_ngram_ids(equivalence: dict) -> None:
     assert equivalence["ngram_trials"] == 50
     assert equivalence["ngram_mismatched"] == 0
+
+
+@pytest.mark.gpu
+def test_cuda_path_equals_vllms_triton_kernel(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """Pinned staging, the device copy and the NVFP4 decode on the GPU vs vLLM's own kernel."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    vllm_venv = request.getfixturevalue("vllm_venv")
+    vllm_originals = request.getfixturevalue("vllm_originals")
+    probe = [str(vllm_venv), "-c", "import torch, triton; print(torch.cuda.is_available())"]
+    seen = subprocess.run(probe, capture_output=True, text=True).stdout.strip()
+    if seen != "True":
+        pytest.skip("the vLLM test venv has no CUDA torch with triton")
+    result = run_equivalence(vllm_venv, vllm_originals, tmp_path, "cuda")
+    assert result["device"] == "cuda"
+    assert result["patched_backend"] == "Qwen4ExpPLEPackedTableEmbedding"
+    assert result["patched_weight_devices"] == ["meta"]
+    assert result["ngram_mismatched"] == 0
+    # on CUDA the stock float32 path is vLLM's Triton lookup kernel itself
+    assert all(result["float32_identical"]), result["float32_max_abs_diff"]
+    assert all(result["bfloat16_identical"]), result["bfloat16_max_abs_diff"]
+    assert result["chunked_equals_whole"]
