@@ -48,17 +48,30 @@ def vllm_context(workdir: Path) -> Iterator[None]:
         yield
 
 
-def checkpoint_weights(snapshot: Path, prefix: str):
-    """(name relative to the PLE module, tensor) pairs, lazily read like vLLM's loader."""
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def checkpoint_weights(snapshot: Path, prefix: str, peak: dict):
+    """(name relative to the PLE module, tensor) pairs, read lazily like vLLM's loader.
+
+    safetensors maps each file; a tensor's pages enter RSS only when something reads them.
+    peak["rss"] records the most RSS grew while the loader held a tensor.
+    """
     index = json.loads((snapshot / "model.safetensors.index.json").read_text())
     by_file: dict[str, list[str]] = {}
     for name, file in index["weight_map"].items():
         if name.startswith(prefix):
             by_file.setdefault(file, []).append(name)
+    base = rss_bytes()
+    peak["rss"] = 0
     for file, names in sorted(by_file.items()):
         with safe_open(str(snapshot / file), framework="pt") as handle:
             for name in names:
                 yield name[len(prefix) :], handle.get_tensor(name)
+                # the consumer is done with this tensor; it is still referenced here
+                peak["rss"] = max(peak["rss"], rss_bytes() - base)
 
 
 def build(config, snapshot: Path, prefix: str, dtype: torch.dtype):
@@ -74,9 +87,11 @@ def build(config, snapshot: Path, prefix: str, dtype: torch.dtype):
             prefix=prefix.rstrip("."),
             params_dtype=dtype,
         )
-    loaded = layer.load_weights(checkpoint_weights(snapshot, prefix))
+    peak: dict = {}
+    loaded = layer.load_weights(checkpoint_weights(snapshot, prefix, peak))
     embedding = layer.ngram_embedding
     embedding.embedding_method.process_weights_after_loading(embedding)
+    layer.load_rss_growth = peak["rss"]
     return layer, loaded
 
 
@@ -181,6 +196,7 @@ def main() -> None:
         stock_layer = stock_layers["float32"][0]
         result["stock_backend"] = type(stock_layer.ngram_embedding).__name__
         result["stock_resident_bytes"] = resident_bytes(stock_layer)
+        result["stock_load_rss_growth"] = stock_layer.load_rss_growth
 
         # sparkple.ngram against vLLM's own compute_ngram_ids (CPU path), random batches
         rng = np.random.default_rng(3)
@@ -216,6 +232,8 @@ def main() -> None:
             {embedding.weight.device.type, embedding.weight_scale.device.type}
         )
         result["patched_resident_bytes"] = resident_bytes(layer)
+        result["patched_load_rss_growth"] = layer.load_rss_growth
+        result["table_bytes"] = int(embedding.table.meta.data_bytes)
         result["table_advice"] = embedding.table.advice
         result["global_scale_loaded"] = float(embedding.weight_scale_2.reshape(-1)[0])
         result["global_scale_table"] = float(embedding.table.meta.global_scale)
