@@ -270,6 +270,18 @@ def main() -> None:
         for layer, _ in patched_layers.values():
             layer.ngram_embedding.close()
 
+        # the patched files without the env var: vLLM's own backend, as before
+        os.environ.pop("VLLM_PLE_PACKED_TABLE_DIR")
+        unset, _ = build(config, snapshot, prefix, torch.float32)
+        result["patched_unset_backend"] = type(unset.ngram_embedding).__name__
+        # a directory that holds no table: a clear error, no silent fallback
+        os.environ["VLLM_PLE_PACKED_TABLE_DIR"] = str(Path(work) / "no-table-here")
+        try:
+            build(config, snapshot, prefix, torch.float32)
+            result["missing_table_error"] = None
+        except Exception as exc:
+            result["missing_table_error"] = f"{type(exc).__name__}: {exc}"
+
     result["device"] = DEVICE.type
     Path(result_path).write_text(json.dumps(result, indent=2))
 

@@ -57,6 +57,16 @@ def test_patched_files_select_the_packed_table_backend(equivalence: dict) -> Non
     assert equivalence["table_advice"] == "random"
 
 
+def test_patched_files_without_the_env_var_keep_vllms_backend(equivalence: dict) -> None:
+    assert equivalence["patched_unset_backend"] == "Qwen4ExpPLEDeviceEmbedding"
+
+
+def test_a_missing_table_is_a_clear_error(equivalence: dict) -> None:
+    error = equivalence["missing_table_error"]
+    assert error is not None and error.startswith("TableError")
+    assert "no-table-here" in error
+
+
 def test_patched_backend_holds_no_shard_data(equivalence: dict) -> None:
     # the table's weight and block scales are shapes only; the global scale and hash buffers load
     assert equivalence["patched_weight_devices"] == ["meta"]
