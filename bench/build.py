@@ -235,6 +235,8 @@ def main() -> int:
                     f"(resident before {r['resident_before_mib']:.1f} MiB)",
                     flush=True,
                 )
+                if name == "build":
+                    print(f"            {r['stdout'].splitlines()[-1]}", flush=True)
         tb = statistics.median(r["wall_s"] for r in results["build"])
         tf = statistics.median(r["wall_s"] for r in results["floor"])
         rss = max(r["peak_rss_mib"] for r in results["build"])

@@ -581,6 +581,7 @@ def _write_verify_rename(
     total = plan.data_bytes
     chunk = max(plan.fmt.row_width, int(chunk_mib * 2**20))
     progress = Progress(total, f"build-table {out}", log, quiet)
+    t0 = time.monotonic()
     fd = os.open(tmp_data, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         if total:
@@ -599,21 +600,31 @@ def _write_verify_rename(
             if len(written) > 4:
                 os.posix_fadvise(fd, *written.popleft(), os.POSIX_FADV_DONTNEED)
             progress.update(done)
+        t1 = time.monotonic()
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
         progress.finish()
+    t2 = time.monotonic()
     if done != total or tmp_data.stat().st_size != total:
         raise BuildError(
             f"{tmp_data}: wrote {done} of {total} bytes; the snapshot changed during the build"
         )
-    bad = verify_rows(plan, tmp_data, sample_rows(plan, verify_count))
+    sampled = sample_rows(plan, verify_count)
+    bad = verify_rows(plan, tmp_data, sampled)
     if bad:
         raise BuildError(
             f"{tmp_data}: {len(bad)} sampled rows differ from the snapshot (first {bad[:5]})"
         )
     meta = plan.meta(final_data)
+    meta.extra["build"] = {
+        "copy_s": round(t1 - t0, 3),
+        "fsync_s": round(t2 - t1, 3),
+        "verify_s": round(time.monotonic() - t2, 3),
+        "verified_rows": int(sampled.size),
+        "chunk_bytes": chunk,
+    }
     with open(tmp_meta, "w", encoding="utf-8") as f:
         f.write(meta.to_json())
         f.flush()
@@ -756,9 +767,17 @@ def _run_build(args: argparse.Namespace) -> int:
         dt = time.monotonic() - t0
         print(
             f"build-table: published {where} ({meta.total_rows} rows x {meta.row_width} B = "
-            f"{meta.data_bytes / 2**30:.2f} GiB) in {dt:.1f} s"
+            f"{meta.data_bytes / 2**30:.2f} GiB) in {dt:.1f} s ({_phases(meta)})"
         )
     return EXIT_OK
+
+
+def _phases(meta: TableMeta) -> str:
+    b = meta.extra.get("build", {})
+    return (
+        f"copy {b.get('copy_s', 0):.1f} s, fsync {b.get('fsync_s', 0):.1f} s, "
+        f"verify {b.get('verified_rows', 0)} rows {b.get('verify_s', 0):.1f} s"
+    )
 
 
 def _run_verify(args: argparse.Namespace) -> int:
