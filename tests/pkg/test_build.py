@@ -234,6 +234,12 @@ def _rewrite_header(snap: Path, tensor: str, **changes) -> None:
     path.write_bytes(raw[:8] + new + b" " * (n - len(new)) + raw[8 + n :])
 
 
+def _patch_bytes(path: Path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
 def _first_file(snap: Path) -> Path:
     return sorted(snap.glob("*.safetensors"))[0]
 
@@ -273,6 +279,22 @@ BAD = {
     "header garbage": (
         lambda s: _first_file(s).write_bytes(b"\x10\0\0\0\0\0\0\0{{{{{{{{{{{{{{{{"),
         "not valid JSON",
+    ),
+    "unknown dtype": (
+        lambda s: _rewrite_header(s, f"{EMB}.shard_40.weight", dtype="F4"),
+        "shard_40.weight'.*unknown dtype",
+    ),
+    "byte span": (
+        lambda s: _rewrite_header(s, f"{EMB}.shard_41.weight", shape=[1, 80]),
+        "shard_41.weight'.*needs 80",
+    ),
+    "overlap": (
+        lambda s: _rewrite_header(s, f"{EMB}.shard_42.weight", data_offsets=[0, 132 * 80]),
+        "overlap",
+    ),
+    "absurd header": (
+        lambda s: _patch_bytes(_first_file(s), 0, (1 << 40).to_bytes(8, "little")),
+        "absurdly large",
     ),
     "eos list": (
         lambda s: _edit_config(s, lambda c: c.update(eos_token_id=[1, 2])),
