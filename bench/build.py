@@ -164,6 +164,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--table-gib", type=float, default=2.0)
     ap.add_argument("--quant", choices=["nvfp4", "fp8"], default="nvfp4")
+    ap.add_argument("--shards", type=int, default=128, help="split_ngram_parts of the snapshot")
+    ap.add_argument("--chunk-mib", type=float, default=None, help="passed to build-table")
     ap.add_argument("--reps", type=int, default=3, help="A/B pairs to run (>= 1)")
     ap.add_argument("--workdir", type=Path, default=None, help="scratch dir (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the snapshot and table afterwards")
@@ -186,6 +188,7 @@ def main() -> int:
                 quant=args.quant,
                 files=4,
                 vocab_base=vocab_base_for_bytes(int(args.table_gib * 2**30), width),
+                shards=args.shards,
             )
         print(f"snapshot ready in {time.perf_counter() - t0:.1f} s: {snap}", flush=True)
         plan = plan_build(snap)
@@ -210,6 +213,7 @@ def main() -> int:
             str(table),
             "--force",
             "--quiet",
+            *(["--chunk-mib", str(args.chunk_mib)] if args.chunk_mib else []),
         ]
         floor_cmd = [
             sys.executable,
