@@ -400,3 +400,15 @@ def test_a_failed_write_removes_its_temporary_files(snapshots, tmp_path):
     assert res.returncode == 1
     assert "cannot write the table" in res.stderr and "nothing new was published" in res.stderr
     assert [p.name for p in out.iterdir()] == [".build.lock"]
+
+
+def test_a_second_concurrent_build_is_refused(snapshots, tmp_path):
+    import fcntl
+
+    out = tmp_path / "t"
+    out.mkdir()
+    with open(out / ".build.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        res = cli("build-table", snapshots("nvfp4", files=3), out)
+    assert res.returncode == 1 and "another build" in res.stderr
+    assert [p.name for p in out.iterdir()] == [".build.lock"]
