@@ -245,11 +245,16 @@ def main() -> int:
         tf = statistics.median(r["wall_s"] for r in results["floor"])
         rss = max(r["peak_rss_mib"] for r in results["build"])
         ratio = tf / tb
+        paired = sorted(
+            f["wall_s"] / b["wall_s"]
+            for b, f in zip(results["build"], results["floor"], strict=True)
+        )
         summary = {
             "table_bytes": plan.data_bytes,
             "build_median_s": tb,
             "floor_median_s": tf,
             "ratio": ratio,
+            "paired_ratios": paired,
             "build_peak_rss_mib": rss,
             "runs": results,
         }
@@ -259,6 +264,7 @@ def main() -> int:
             f"median: build {tb:.2f} s ({plan.data_bytes / 2**20 / tb:.0f} MiB/s), "
             f"floor {tf:.2f} s ({plan.data_bytes / 2**20 / tf:.0f} MiB/s)"
         )
+        print(f"per-rep ratios (floor/build): {', '.join(f'{x:.2f}' for x in paired)}")
         print(f"build: {ratio:.2f}x of sequential copy, peak RSS {rss:.0f} MiB")
         failed = (args.min_ratio is not None and ratio < args.min_ratio) or (
             args.max_rss_mib is not None and rss > args.max_rss_mib
