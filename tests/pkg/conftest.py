@@ -11,7 +11,7 @@ import pytest
 
 from sparkple.synth import synth_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
 
 
 @pytest.fixture(scope="session")
