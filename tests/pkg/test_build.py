@@ -292,7 +292,7 @@ def test_bad_input_is_refused_and_writes_nothing(snapshots, tmp_path, case):
     import re
 
     assert re.search(message, res.stderr), res.stderr
-    assert "nothing was published" in res.stderr
+    assert "nothing new was published" in res.stderr
     assert not (tmp_path / "t").exists()
 
 
@@ -363,3 +363,18 @@ def test_leftovers_of_a_killed_build_are_cleaned(snapshots, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == sorted(
         [".build.lock", META_NAME, meta.data_file]
     )
+
+
+def test_a_failed_write_removes_its_temporary_files(snapshots, tmp_path):
+    """The kernel refuses writes past RLIMIT_FSIZE (EFBIG): the build fails cleanly."""
+    import resource
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+
+    out = tmp_path / "t"
+    res = run_cli("build-table", snapshots("nvfp4", files=3), out, preexec_fn=limit_file_size)
+    assert res.returncode == 1
+    assert "cannot write the table" in res.stderr and "nothing new was published" in res.stderr
+    assert [p.name for p in out.iterdir()] == [".build.lock"]
