@@ -366,6 +366,42 @@ def bench_prefill(table: PackedTable, reps: int, rng) -> dict[str, Any]:
     }
 
 
+def bench_batch_sizes(table: PackedTable, reps: int, rng) -> dict[str, Any]:
+    """When to prefetch: cold gather time with and without it, from one token to a chunk,
+    and what prefetching costs when the rows are already cached."""
+    sizes = (16, 256, 4096)  # one decode token, a 16-sequence decode step, a small prefill
+    pf = Prefetcher(table)
+    cold: dict[str, dict[str, list[float]]] = {str(n): {"none": [], "sparkple": []} for n in sizes}
+    warm: dict[str, dict[str, list[float]]] = {
+        str(n): {"gather": [], "prefetch": [], "prefetch_recent_skip": []} for n in sizes
+    }
+    for _ in range(reps):
+        for n in sizes:
+            make_cold(table)
+            pf.forget()
+            # fresh random rows each time: in a 4 GiB table they are almost surely still cold
+            for _sample in range(max(1, 1024 // n)):
+                for mode in ("none", "sparkple"):
+                    ids = rng.integers(0, table.total_rows, (max(1, n // HEADS), HEADS))
+                    out = np.empty((*ids.shape, table.row_width), dtype=np.uint8)
+                    t0 = time.perf_counter()
+                    if mode == "sparkple":
+                        pf.prefetch(ids)
+                    gather_rows(table.rows, ids, out)
+                    cold[str(n)][mode].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            gather_rows(table.rows, ids, out)  # resident now
+            warm[str(n)]["gather"].append(time.perf_counter() - t0)
+            pf.forget()
+            warm[str(n)]["prefetch"].append(pf.prefetch(ids).seconds)
+            warm[str(n)]["prefetch_recent_skip"].append(pf.prefetch(ids).seconds)
+    pf.close()
+    return {
+        "cold_ms": {n: {k: median(v) * 1e3 for k, v in m.items()} for n, m in cold.items()},
+        "warm_ms": {n: {k: median(v) * 1e3 for k, v in m.items()} for n, m in warm.items()},
+    }
+
+
 # ------------------------------------------------------------------------------ warm gather
 
 
@@ -622,6 +658,7 @@ def main(argv: list[str] | None = None) -> int:
         result["decode_warm_ms_per_token"] = lat["ms_per_token"]["sparkple_warm"]
         result["decode_latency"] = lat
         result.update(bench_prefill(table, args.reps, rng))
+        result["batch_sizes"] = bench_batch_sizes(table, args.reps, rng)
         result["warm_gather"] = bench_warm(table, 10 * args.reps, rng)
     result["handshake"] = bench_handshake(2000, rng)
     result["handshake_p99_us"] = result["handshake"]["handshake_p99_us"]
@@ -663,6 +700,11 @@ def main(argv: list[str] | None = None) -> int:
     print("prefill gather s: " + ", ".join(f"{k} {v:.3f}" for k, v in
           result["prefill_gather_s"].items()) + f"; device qd32 {qd32:.0f}/s, "
           f"qd1 {result['device_qd1_iops']:.0f}/s")  # fmt: skip
+    for n, c in result["batch_sizes"]["cold_ms"].items():
+        w = result["batch_sizes"]["warm_ms"][n]
+        print(f"{n} rows: cold {c['none']:.2f} ms without prefetch, {c['sparkple']:.2f} ms with; "
+              f"warm gather {w['gather']:.3f} ms, prefetch {w['prefetch']:.3f} ms "
+              f"({w['prefetch_recent_skip']:.3f} ms when recently advised)")  # fmt: skip
     print(f"warm gather: {warm['gather_rows_per_s'] / 1e6:.1f} M rows/s vs numpy fancy "
           f"{warm['numpy_fancy_rows_per_s'] / 1e6:.1f} M rows/s")  # fmt: skip
     print(f"handshake p50/p99 {hs['handshake_p50_us']:.1f}/{hs['handshake_p99_us']:.1f} us, "
