@@ -47,6 +47,7 @@ from .tablemeta import (
 
 BUILDER_VERSION = "sparkple-build-1"
 DEFAULT_CHUNK_MIB = 8
+MAX_CHUNK_MIB = 64  # three chunks of buffers: peak RSS stays under 256 MiB
 DEFAULT_VERIFY_ROWS = 1024
 LOCK_NAME = ".build.lock"
 TMP_PREFIX = ".tmp-"
@@ -287,29 +288,40 @@ def _chunks(plan: Plan, chunk_bytes: int) -> Iterator[tuple[Shard, int, int]]:
             yield shard, start, min(step, shard.rows - start)
 
 
-class _Slot:
-    def __init__(self, rows: int, fmt: RowFormat) -> None:
-        self.out = np.empty((rows, fmt.row_width), dtype=np.uint8)
-        self.codes = np.empty((rows, fmt.codes_width), dtype=np.uint8)
-        self.scales = np.empty((rows, fmt.scales_width), dtype=np.uint8)
+class _Staging:
+    """The reader thread's buffers for one chunk of NVFP4 codes and scales.
+
+    A whole chunk is read at once: on the disks measured, 2 MiB reads ran at half the speed
+    of 8 MiB ones.
+    """
+
+    def __init__(self, fmt: RowFormat, rows: int) -> None:
+        self.rows = rows
+        self.codes = np.empty((self.rows, fmt.codes_width), dtype=np.uint8)
+        self.scales = np.empty((self.rows, fmt.scales_width), dtype=np.uint8)
 
 
-def _fill(plan: Plan, src: _Sources, slot: _Slot, shard: Shard, start: int, n: int) -> memoryview:
-    """Packed rows [start, start+n) of a shard, in slot.out; returns their bytes."""
+def _fill(
+    plan: Plan, src: _Sources, stage: _Staging, out: np.ndarray, shard: Shard, start: int, n: int
+) -> memoryview:
+    """Packed rows [start, start+n) of a shard, into out[:n]; returns their bytes."""
     f = plan.fmt
     if shard.scales is None:  # FP8: rows are already packed
-        view = memoryview(slot.out[:n]).cast("B")
+        view = memoryview(out[:n]).cast("B")
         src.read(shard.codes, start * f.codes_width, view, drop=True)
         return view
-    src.read(shard.codes, start * f.codes_width, memoryview(slot.codes[:n]).cast("B"), drop=True)
+    for first in range(0, n, stage.rows):
+        k = min(stage.rows, n - first)
+        row = start + first
+        src.read(shard.codes, row * f.codes_width, memoryview(stage.codes[:k]).cast("B"), True)
+        src.read(shard.scales, row * f.scales_width, memoryview(stage.scales[:k]).cast("B"))
+        _copy_columns(out[first : first + k], 0, stage.codes, k)
+        _copy_columns(out[first : first + k], f.codes_width, stage.scales, k)
     # Scales pages stay until the shard is done: the codes' readahead runs into them (they
     # follow the codes in the file), and dropping them early would read them twice.
-    src.read(shard.scales, start * f.scales_width, memoryview(slot.scales[:n]).cast("B"))
     if start + n == shard.rows:
         src.drop(shard.scales)
-    _copy_columns(slot.out, 0, slot.codes, n)
-    _copy_columns(slot.out, f.codes_width, slot.scales, n)
-    return memoryview(slot.out[:n]).cast("B")
+    return memoryview(out[:n]).cast("B")
 
 
 def _copy_columns(dst: np.ndarray, col: int, src: np.ndarray, n: int) -> None:
@@ -330,24 +342,27 @@ def _copy_columns(dst: np.ndarray, col: int, src: np.ndarray, n: int) -> None:
         pos += count * size
 
 
-def stream_rows(plan: Plan, chunk_bytes: int, depth: int = 3) -> Iterator[tuple[int, memoryview]]:
-    """(table byte offset, packed bytes) for the whole table, read ahead on a thread."""
+def stream_rows(plan: Plan, chunk_bytes: int, depth: int = 2) -> Iterator[tuple[int, memoryview]]:
+    """(table byte offset, packed bytes) for the whole table, read ahead on a thread.
+
+    Memory: `depth` output chunks and one staging chunk, whatever the table size.
+    """
     step = max(1, chunk_bytes // plan.fmt.row_width)
-    free: queue.Queue[_Slot] = queue.Queue()
+    free: queue.Queue[np.ndarray | None] = queue.Queue()
     for _ in range(depth):
-        free.put(_Slot(step, plan.fmt))
+        free.put(np.empty((step, plan.fmt.row_width), dtype=np.uint8))
     ready: queue.Queue[Any] = queue.Queue()
-    stop = threading.Event()
     src = _Sources()
 
     def produce() -> None:
         try:
+            stage = _Staging(plan.fmt, step)
             for shard, start, n in _chunks(plan, chunk_bytes):
-                slot = free.get()
-                if stop.is_set():
+                out = free.get()
+                if out is None:  # the consumer stopped early
                     return
                 offset = (shard.index * plan.geometry.rows_per_shard + start) * plan.fmt.row_width
-                ready.put((offset, _fill(plan, src, slot, shard, start, n), slot))
+                ready.put((offset, _fill(plan, src, stage, out, shard, start, n), out))
             ready.put(None)
         except BaseException as exc:  # handed to the consumer, which re-raises it
             ready.put(exc)
@@ -358,12 +373,11 @@ def stream_rows(plan: Plan, chunk_bytes: int, depth: int = 3) -> Iterator[tuple[
         while (item := ready.get()) is not None:
             if isinstance(item, BaseException):
                 raise item
-            offset, data, slot = item
+            offset, data, out = item
             yield offset, data
-            free.put(slot)
+            free.put(out)
     finally:
-        stop.set()
-        free.put(_Slot(0, plan.fmt))  # wake the reader if it waits for a slot
+        free.put(None)  # wakes the reader if it waits for a buffer
         thread.join()
         src.close()
 
@@ -745,8 +759,10 @@ def _run_build(args: argparse.Namespace) -> int:
         return _usage(f"build-table: {args.snapshot} is not a directory (expected a HF snapshot)")
     if args.out_dir.exists() and not args.out_dir.is_dir():
         return _usage(f"build-table: {args.out_dir} exists and is not a directory")
-    if args.chunk_mib <= 0 or args.chunk_mib > 64 or args.verify_rows < 0:
-        return _usage("build-table: --chunk-mib must be in (0, 64] and --verify-rows >= 0")
+    if args.chunk_mib <= 0 or args.chunk_mib > MAX_CHUNK_MIB or args.verify_rows < 0:
+        return _usage(
+            f"build-table: --chunk-mib must be in (0, {MAX_CHUNK_MIB}] and --verify-rows >= 0"
+        )
     t0 = time.monotonic()
     try:
         status, meta = build_table(

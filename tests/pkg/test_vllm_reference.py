@@ -1,13 +1,14 @@
-"""Cross-check with vLLM 0.33.0 itself: its hash and layout code, read from the PyPI wheel.
+"""Cross-check with vLLM 0.33.0 itself: its hash, layout and NVFP4 decode, from the PyPI wheel.
 
 The wheel is fetched once with `pip download --no-deps` into the git-ignored .cache/; the
-methods of vLLM's Qwen4ExpNGramEmbedding that compute the layout and the row ids are compiled
-from its source and run on CPU next to ours. Skipped when the wheel cannot be had.
+functions that compute the layout, the row ids and the NVFP4 CPU decode are compiled from its
+source and run on CPU next to ours. Skipped when the wheel cannot be had.
 """
 
 from __future__ import annotations
 
 import ast
+import struct
 import subprocess
 import sys
 import zipfile
@@ -26,6 +27,7 @@ torch = pytest.importorskip("torch")
 
 WHEEL_GLOB = "vllm-0.33.0-*.whl"
 SOURCE = "vllm/models/qwen4_exp/nvidia/ngram_embedding.py"
+NVFP4_SOURCE = "vllm/model_executor/layers/quantization/utils/nvfp4_emulation_utils.py"
 METHODS = {
     "_splitmix64",
     "_is_prime_64",
@@ -55,10 +57,15 @@ def find_wheel() -> Path | None:
 
 
 @pytest.fixture(scope="module")
-def vllm_hash():
-    wheel = find_wheel()
-    if wheel is None:
+def wheel():
+    found = find_wheel()
+    if found is None:
         pytest.skip("the vllm==0.33.0 wheel is not available (no PyPI access?)")
+    return found
+
+
+@pytest.fixture(scope="module")
+def vllm_hash(wheel):
     source = zipfile.ZipFile(wheel).read(SOURCE).decode()
     tree = ast.parse(source)
     cls = next(
@@ -146,3 +153,84 @@ def test_row_ids_match_vllm_compute_ngram_ids(vllm_hash, name):
             torch.from_numpy(ids), torch.from_numpy(qsl), torch.from_numpy(ctx)
         ).numpy()
         assert np.array_equal(ours, theirs)
+
+
+@pytest.fixture(scope="module")
+def vllm_dequantize(wheel):
+    """vLLM's CPU NVFP4 decode (dequantize_to_dtype with its helpers)."""
+    from types import SimpleNamespace
+
+    tree = ast.parse(zipfile.ZipFile(wheel).read(NVFP4_SOURCE).decode())
+    wanted = {"break_fp4_bytes", "convert_swizzled_to_linear", "dequantize_to_dtype"}
+    body = [
+        n
+        for n in tree.body
+        if (isinstance(n, ast.FunctionDef) and n.name in wanted)
+        or (isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "kE2M1ToFloat_handle")
+    ]
+    assert len(body) == 4
+    module = ast.Module(body=body, type_ignores=[])
+    namespace = {"torch": torch, "SimpleNamespace": SimpleNamespace, "current_platform": None}
+    exec(compile(module, f"{wheel.name}/{NVFP4_SOURCE}", "exec"), namespace)
+    return namespace["dequantize_to_dtype"]
+
+
+def ulps_apart(a: float, b: float) -> int:
+    ia, ib = (struct.unpack("<i", struct.pack("<f", v))[0] for v in (a, b))
+    return abs(ia - ib)
+
+
+def test_nvfp4_decode_matches_vllm(vllm_dequantize):
+    """vLLM's CPU path rounds e2m1 x (scale x global), its GPU kernel (e2m1 x scale) x global,
+    which is ours: equal wherever e2m1 is a power of two, and within one ulp elsewhere."""
+    from sparkple.nvfp4 import E2M1_TABLE, dequantize_rows
+
+    rng = np.random.default_rng(5)
+    packed = rng.integers(0, 256, size=(512, 90), dtype=np.uint8)
+    packed[:, 80:] = rng.integers(0, 0x7F, size=(512, 10), dtype=np.uint8)  # finite scales
+    packed[:64, 80:] = rng.integers(0, 8, size=(64, 10), dtype=np.uint8)  # subnormal scales
+    gs = float(np.float32(0.0123456))
+    ours = dequantize_rows(packed, gs)
+    t = torch.from_numpy(packed)
+    theirs = vllm_dequantize(
+        t[:, :80].contiguous(),
+        t[:, 80:].contiguous(),
+        torch.tensor([gs]),
+        torch.float32,
+        swizzle=False,
+    ).numpy()
+    nibbles = np.stack([packed[:, :80] & 0xF, packed[:, :80] >> 4], axis=2).reshape(512, 160)
+    mags = np.abs(E2M1_TABLE[nibbles])
+    pow2 = np.isin(mags, [0.0, 0.5, 1.0, 2.0, 4.0])
+    assert np.array_equal(ours[pow2], theirs[pow2])
+    assert max(ulps_apart(a, b) for a, b in zip(ours[~pow2], theirs[~pow2], strict=True)) <= 1
+
+
+@pytest.fixture(scope="module")
+def vllm_ref_quant(wheel):
+    """vLLM's reference NVFP4 quantizer (ref_nvfp4_quant with its helpers)."""
+    tree = ast.parse(zipfile.ZipFile(wheel).read(NVFP4_SOURCE).decode())
+    wanted = {"get_reciprocal", "cast_to_fp4", "ref_nvfp4_quant"}
+    body = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in wanted]
+    module = ast.Module(body=body, type_ignores=[])
+    namespace = {"torch": torch, "FLOAT4_E2M1_MAX_RECIPROCAL": 1 / 6.0}
+    exec(compile(module, f"{wheel.name}/{NVFP4_SOURCE}", "exec"), namespace)
+    return namespace["ref_nvfp4_quant"]
+
+
+def test_quantize_agrees_with_vllm_reference_quantizer(vllm_ref_quant):
+    """Same ModelOpt convention and rounding. vLLM multiplies by reciprocals where we divide, so
+    a value within an ulp of a tie could in principle round apart; on these inputs none does."""
+    from sparkple.nvfp4 import E2M1_TABLE, e4m3_to_float32, quantize_rows
+
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((256, 160)).astype(np.float32)
+    x *= np.exp2(rng.integers(-8, 3, size=(256, 1))).astype(np.float32)
+    codes, scales, ws2 = quantize_rows(x)
+    fp4, their_scales = vllm_ref_quant(
+        torch.from_numpy(x), torch.tensor(1.0 / np.float32(ws2), dtype=torch.float32), 16
+    )
+    assert np.array_equal(e4m3_to_float32(scales), their_scales.numpy())
+    nibbles = np.stack([codes & 0xF, codes >> 4], axis=2).reshape(256, 160)
+    ours = E2M1_TABLE[nibbles]
+    assert np.array_equal(ours, fp4.numpy())
