@@ -221,71 +221,73 @@ def device_random_reads(path: Path, size: int, reads: int, depth: int, rng) -> f
 
 # Linux native AIO through raw syscalls: O_DIRECT reads kept `depth` deep by the kernel, with
 # no per-read thread handoff, so the figure is the device's, not Python's.
-_AIO_NR = {
-    "x86_64": (206, 209, 208, 207),
-    "aarch64": (0, 2, 4, 1),
-}  # setup submit getevents destroy
-_IOCB = np.dtype(
-    [("data", "<u8"), ("key", "<u4"), ("rw_flags", "<u4"), ("opcode", "<u2"), ("prio", "<i2"),
-     ("fd", "<u4"), ("buf", "<u8"), ("nbytes", "<u8"), ("offset", "<i8"), ("res2", "<u8"),
-     ("flags", "<u4"), ("resfd", "<u4")]
-)  # fmt: skip
-_EVENT = np.dtype([("data", "<u8"), ("obj", "<u8"), ("res", "<i8"), ("res2", "<i8")])
+# io_setup, io_submit, io_getevents, io_destroy
+_AIO_NR = {"x86_64": (206, 209, 208, 207), "aarch64": (0, 2, 4, 1)}
 
 
 def device_random_reads_aio(path: Path, size: int, reads: int, depth: int, rng) -> float | None:
     """4 KiB O_DIRECT random reads per second at queue depth `depth` via io_submit."""
     import ctypes
 
+    class Iocb(ctypes.Structure):  # struct iocb, little-endian layout
+        _fields_ = [("data", ctypes.c_uint64), ("key", ctypes.c_uint32),
+                    ("rw_flags", ctypes.c_uint32), ("opcode", ctypes.c_uint16),
+                    ("prio", ctypes.c_int16), ("fd", ctypes.c_uint32), ("buf", ctypes.c_uint64),
+                    ("nbytes", ctypes.c_uint64), ("offset", ctypes.c_int64),
+                    ("reserved2", ctypes.c_uint64), ("flags", ctypes.c_uint32),
+                    ("resfd", ctypes.c_uint32)]  # fmt: skip
+
+    class Event(ctypes.Structure):
+        _fields_ = [("data", ctypes.c_uint64), ("obj", ctypes.c_uint64),
+                    ("res", ctypes.c_int64), ("res2", ctypes.c_int64)]  # fmt: skip
+
     nrs = _AIO_NR.get(os.uname().machine)
     if nrs is None:
         return None
     setup, submit, getevents, destroy = nrs
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
+    syscall = ctypes.CDLL(None, use_errno=True).syscall
+    syscall.restype = ctypes.c_long
     ctx = ctypes.c_ulong(0)
-    if libc.syscall(setup, depth, ctypes.byref(ctx)) < 0:
+    if syscall(setup, depth, ctypes.byref(ctx)) < 0:
         return None
-    offsets = rng.integers(0, size // PAGE, reads) * PAGE
+    offsets = (rng.integers(0, size // PAGE, reads) * PAGE).tolist()
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    bufs = mmap.mmap(-1, depth * PAGE)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(bufs))
-    iocbs = np.zeros(depth, dtype=_IOCB)
-    iocbs["data"] = np.arange(depth)
-    iocbs["fd"] = fd
-    iocbs["buf"] = base + np.arange(depth, dtype=np.uint64) * PAGE
-    iocbs["nbytes"] = PAGE
-    ptrs = (iocbs.ctypes.data + np.arange(depth, dtype=np.uint64) * _IOCB.itemsize).astype(
-        np.uint64
-    )
-    events = np.zeros(depth, dtype=_EVENT)
+    bufs = mmap.mmap(-1, depth * PAGE)  # page-aligned, as O_DIRECT needs
+    anchor = ctypes.c_char.from_buffer(bufs)
+    base = ctypes.addressof(anchor)
+    iocbs = (Iocb * depth)()
+    for i in range(depth):
+        iocbs[i].data, iocbs[i].fd, iocbs[i].nbytes = i, fd, PAGE
+        iocbs[i].buf = base + i * PAGE
+    batch = (ctypes.POINTER(Iocb) * depth)()
+    pointers = [ctypes.pointer(iocbs[i]) for i in range(depth)]
+    events = (Event * depth)()
     try:
         t0 = time.perf_counter()
         issued = done = 0
-        free = np.arange(depth)
+        free = list(range(depth))
         while done < reads:
             n = min(len(free), reads - issued)
-            if n:
-                iocbs["offset"][free[:n]] = offsets[issued : issued + n]
-                sub = np.ascontiguousarray(ptrs[free[:n]])
-                if (
-                    libc.syscall(submit, ctx, ctypes.c_long(n), ctypes.c_void_p(sub.ctypes.data))
-                    != n
-                ):
-                    return None
-                issued += n
-                free = free[n:]
-            got = libc.syscall(getevents, ctx, ctypes.c_long(1), ctypes.c_long(depth),
-                               ctypes.c_void_p(events.ctypes.data), None)  # fmt: skip
-            if got < 0 or (events["res"][:got] != PAGE).any():
+            for k in range(n):  # refill every free slot, submit them in one call
+                i = free.pop()
+                iocbs[i].offset = offsets[issued + k]
+                batch[k] = pointers[i]
+            if n and syscall(submit, ctx, ctypes.c_long(n), batch) != n:
                 return None
+            issued += n
+            got = syscall(getevents, ctx, ctypes.c_long(1), ctypes.c_long(depth), events, None)
+            if got < 0:
+                return None
+            for e in events[:got]:
+                if e.res != PAGE:
+                    return None
+                free.append(e.data)
             done += got
-            free = np.concatenate((free, events["data"][:got].astype(np.int64)))
         return reads / (time.perf_counter() - t0)
     finally:
-        libc.syscall(destroy, ctx)
+        syscall(destroy, ctx)
         os.close(fd)
-        del base
+        del anchor
         bufs.close()
 
 
@@ -364,6 +366,42 @@ def bench_prefill(table: PackedTable, reps: int, rng) -> dict[str, Any]:
     }
 
 
+def bench_batch_sizes(table: PackedTable, reps: int, rng) -> dict[str, Any]:
+    """When to prefetch: cold gather time with and without it, from one token to a chunk,
+    and what prefetching costs when the rows are already cached."""
+    sizes = (16, 256, 4096)  # one decode token, a 16-sequence decode step, a small prefill
+    pf = Prefetcher(table)
+    cold: dict[str, dict[str, list[float]]] = {str(n): {"none": [], "sparkple": []} for n in sizes}
+    warm: dict[str, dict[str, list[float]]] = {
+        str(n): {"gather": [], "prefetch": [], "prefetch_recent_skip": []} for n in sizes
+    }
+    for _ in range(reps):
+        for n in sizes:
+            make_cold(table)
+            pf.forget()
+            # fresh random rows each time: in a 4 GiB table they are almost surely still cold
+            for _sample in range(max(1, 1024 // n)):
+                for mode in ("none", "sparkple"):
+                    ids = rng.integers(0, table.total_rows, (max(1, n // HEADS), HEADS))
+                    out = np.empty((*ids.shape, table.row_width), dtype=np.uint8)
+                    t0 = time.perf_counter()
+                    if mode == "sparkple":
+                        pf.prefetch(ids)
+                    gather_rows(table.rows, ids, out)
+                    cold[str(n)][mode].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            gather_rows(table.rows, ids, out)  # resident now
+            warm[str(n)]["gather"].append(time.perf_counter() - t0)
+            pf.forget()
+            warm[str(n)]["prefetch"].append(pf.prefetch(ids).seconds)
+            warm[str(n)]["prefetch_recent_skip"].append(pf.prefetch(ids).seconds)
+    pf.close()
+    return {
+        "cold_ms": {n: {k: median(v) * 1e3 for k, v in m.items()} for n, m in cold.items()},
+        "warm_ms": {n: {k: median(v) * 1e3 for k, v in m.items()} for n, m in warm.items()},
+    }
+
+
 # ------------------------------------------------------------------------------ warm gather
 
 
@@ -396,6 +434,8 @@ import numpy as np
 sys.path.insert(0, sys.argv[1])
 from sparkple.handshake import Publisher, SeqFlag
 mode, delays = sys.argv[2], np.load(sys.argv[3])
+if sys.argv[6] == "rt":
+    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
 stamps = np.memmap(sys.argv[4], dtype=np.int64, mode="r+")
 if mode == "shm":
     flag = SeqFlag.attach(sys.argv[5])
@@ -415,8 +455,12 @@ time.sleep(0.5)
 """
 
 
-def _handshake_run(mode: str, delays: np.ndarray, work: Path) -> np.ndarray:
-    """Publish-to-observe latencies (s) for each delay; `mode` is shm (sparkple) or pipe."""
+def _handshake_run(mode: str, delays: np.ndarray, work: Path, rt: bool = False) -> np.ndarray:
+    """Publish-to-observe latencies (s) for each delay; `mode` is shm (sparkple) or pipe.
+
+    rt: run both sides SCHED_FIFO, so CPU contention from other processes drops out and the
+    figure is the mechanism's own.
+    """
     np.save(work / "delays.npy", delays)
     stamps_path = work / "stamps.bin"
     np.zeros(len(delays) + 1, dtype=np.int64).tofile(stamps_path)
@@ -426,14 +470,17 @@ def _handshake_run(mode: str, delays: np.ndarray, work: Path) -> np.ndarray:
     target = str(flag.path) if flag is not None else str(wfd)
     proc = subprocess.Popen(
         [sys.executable, "-c", _PRODUCER, str(ROOT), mode, str(work / "delays.npy"),
-         str(stamps_path), target],
+         str(stamps_path), target, "rt" if rt else "-"],
         stdin=subprocess.PIPE,
         pass_fds=(wfd,),
         text=True,
     )  # fmt: skip
     os.close(wfd)
     lat = np.empty(len(delays))
+    policy = os.sched_getscheduler(0), os.sched_getparam(0)
     try:
+        if rt:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
         assert proc.stdin is not None
         waiter = Waiter(flag) if flag is not None else None
         time.sleep(0.3)  # the child has imported and attached
@@ -449,6 +496,7 @@ def _handshake_run(mode: str, delays: np.ndarray, work: Path) -> np.ndarray:
                 seen = time.perf_counter_ns()
                 lat[i - 1] = (seen - int.from_bytes(data, "little")) / 1e9
     finally:
+        os.sched_setscheduler(0, *policy)
         proc.wait(timeout=30)
         os.close(rfd)
         if flag is not None:
@@ -477,6 +525,11 @@ def bench_handshake(n: int, rng) -> dict[str, Any]:
         shm = _handshake_run("shm", step, work)
         pipe = _handshake_run("pipe", step, work)
         shm_long = _handshake_run("shm", long, work)
+        try:
+            shm_rt = _handshake_run("shm", step, work, rt=True)
+            pipe_rt = _handshake_run("pipe", step, work, rt=True)
+        except PermissionError:  # no CAP_SYS_NICE / RLIMIT_RTPRIO here
+            shm_rt = pipe_rt = None
     idle = _idle_cpu(1.0)
     us = 1e6
     return {
@@ -486,7 +539,11 @@ def bench_handshake(n: int, rng) -> dict[str, Any]:
         "pipe_p99_us": pct(pipe, 99) * us,
         "handshake_after_20ms_p50_us": pct(shm_long, 50) * us,
         "handshake_after_20ms_p99_us": pct(shm_long, 99) * us,
+        "handshake_rt_p50_us": pct(shm_rt, 50) * us if shm_rt is not None else None,
+        "handshake_rt_p99_us": pct(shm_rt, 99) * us if shm_rt is not None else None,
+        "pipe_rt_p99_us": pct(pipe_rt, 99) * us if pipe_rt is not None else None,
         "handshake_idle_cpu_fraction": idle,
+        "load_average": os.getloadavg(),
         "handshake_samples": n,
         "samples_us": {"shm": (shm * us).round(2).tolist(), "pipe": (pipe * us).round(2).tolist()},
     }
@@ -601,6 +658,7 @@ def main(argv: list[str] | None = None) -> int:
         result["decode_warm_ms_per_token"] = lat["ms_per_token"]["sparkple_warm"]
         result["decode_latency"] = lat
         result.update(bench_prefill(table, args.reps, rng))
+        result["batch_sizes"] = bench_batch_sizes(table, args.reps, rng)
         result["warm_gather"] = bench_warm(table, 10 * args.reps, rng)
     result["handshake"] = bench_handshake(2000, rng)
     result["handshake_p99_us"] = result["handshake"]["handshake_p99_us"]
@@ -642,11 +700,18 @@ def main(argv: list[str] | None = None) -> int:
     print("prefill gather s: " + ", ".join(f"{k} {v:.3f}" for k, v in
           result["prefill_gather_s"].items()) + f"; device qd32 {qd32:.0f}/s, "
           f"qd1 {result['device_qd1_iops']:.0f}/s")  # fmt: skip
+    for n, c in result["batch_sizes"]["cold_ms"].items():
+        w = result["batch_sizes"]["warm_ms"][n]
+        print(f"{n} rows: cold {c['none']:.2f} ms without prefetch, {c['sparkple']:.2f} ms with; "
+              f"warm gather {w['gather']:.3f} ms, prefetch {w['prefetch']:.3f} ms "
+              f"({w['prefetch_recent_skip']:.3f} ms when recently advised)")  # fmt: skip
     print(f"warm gather: {warm['gather_rows_per_s'] / 1e6:.1f} M rows/s vs numpy fancy "
           f"{warm['numpy_fancy_rows_per_s'] / 1e6:.1f} M rows/s")  # fmt: skip
     print(f"handshake p50/p99 {hs['handshake_p50_us']:.1f}/{hs['handshake_p99_us']:.1f} us, "
           f"pipe {hs['pipe_p50_us']:.1f}/{hs['pipe_p99_us']:.1f} us, after 20 ms "
-          f"{hs['handshake_after_20ms_p99_us']:.0f} us p99, idle CPU "
+          f"{hs['handshake_after_20ms_p99_us']:.0f} us p99; SCHED_FIFO p99 "
+          f"{hs['handshake_rt_p99_us'] or float('nan'):.1f} us (pipe "
+          f"{hs['pipe_rt_p99_us'] or float('nan'):.1f}); idle CPU "
           f"{hs['handshake_idle_cpu_fraction']:.1%}")  # fmt: skip
     for path in result["plots"]:
         print(f"plot: {path}")

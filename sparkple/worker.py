@@ -110,6 +110,7 @@ class GatherWorker:
         else:
             self.prefetcher = Prefetcher(table) if prefetch else None
         self._flag = SeqFlag.create()
+        self._flag.unlink()  # used in this process only: nothing is left behind if it dies
         self._waiter = Waiter(self._flag, spin_s=spin_s)
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Condition()
