@@ -17,9 +17,13 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "ple_equivalence.py"
 
 
-def run_equivalence(vllm_venv: Path, vllm_originals: Path, work: Path, device: str) -> dict:
+def run_equivalence(
+    vllm_venv: Path, vllm_originals: Path, work: Path, device: str, quant: str = "nvfp4"
+) -> dict:
+    # NVFP4 with a table big enough (86 MiB) that reading it during the load shows in RSS
+    vocab_base = 60_000 if quant == "nvfp4" else 300
     snapshot = synth_checkpoint(
-        work / "snapshot", quant="nvfp4", vocab_base=60_000, files=2, seed=7
+        work / "snapshot", quant=quant, vocab_base=vocab_base, files=2, seed=7
     )
     table = work / "table"
     build_table(snapshot, table, quiet=True)
@@ -42,6 +46,12 @@ def run_equivalence(vllm_venv: Path, vllm_originals: Path, work: Path, device: s
 @pytest.fixture(scope="module")
 def equivalence(vllm_venv: Path, vllm_originals: Path, tmp_path_factory) -> dict:
     return run_equivalence(vllm_venv, vllm_originals, tmp_path_factory.mktemp("ple-cpu"), "cpu")
+
+
+@pytest.fixture(scope="module")
+def equivalence_fp8(vllm_venv: Path, vllm_originals: Path, tmp_path_factory) -> dict:
+    work = tmp_path_factory.mktemp("ple-cpu-fp8")
+    return run_equivalence(vllm_venv, vllm_originals, work, "cpu", quant="fp8")
 
 
 def test_stock_path_is_vllms_device_backend(equivalence: dict) -> None:
@@ -96,6 +106,20 @@ def test_patched_float32_outputs_equal_vllms_kernel_arithmetic(equivalence: dict
     assert equivalence["float32_shapes_equal"] and equivalence["float32_nonzero"]
     assert all(equivalence["float32_identical_to_kernel_order"])
     assert equivalence["float32_max_rel_diff_to_cpu_path"] <= 2.0**-23
+
+
+def test_fp8_table_equals_stock(equivalence_fp8: dict) -> None:
+    # FP8 rows leave the backend as FP8, like vLLM's lookup; the PLE layer applies the scale
+    result = equivalence_fp8
+    assert result["quant"] == "fp8"
+    assert result["patched_backend"] == "Qwen4ExpPLEPackedTableEmbedding"
+    assert result["patched_weight_devices"] == ["meta"]
+    assert "ngram_embedding.weight" in result["patched_loaded"]
+    assert result["global_scale_loaded"] == result["global_scale_table"]
+    for dtype in ("float32", "bfloat16"):
+        assert result[f"{dtype}_nonzero"]
+        assert all(result[f"{dtype}_identical"]), result[f"{dtype}_max_abs_diff"]
+    assert result["chunked_equals_whole"]
 
 
 def test_chunked_prefill_and_decode_equal_one_pass(equivalence: dict) -> None:
