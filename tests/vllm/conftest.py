@@ -51,7 +51,8 @@ def _pip(python: Path | str, *args: str) -> None:
 
 def vllm_wheel() -> Path:
     with _locked("vllm-wheel"):
-        wheels = sorted(WHEEL_DIR.glob(f"vllm-{VLLM_VERSION}-*.whl"))
+        # any folder of .cache/ that already holds the wheel (other tests fetch it too)
+        wheels = sorted(CACHE.glob(f"*/vllm-{VLLM_VERSION}-*.whl"))
         if not wheels:
             _pip(
                 sys.executable,
