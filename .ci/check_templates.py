@@ -16,11 +16,7 @@ SKIP = {".cache", ".venv", ".git"}
 
 
 def templates() -> list[Path]:
-    found = [
-        p
-        for p in ROOT.rglob("*.j2")
-        if not SKIP.intersection(p.relative_to(ROOT).parts)
-    ]
+    found = [p for p in ROOT.rglob("*.j2") if not SKIP.intersection(p.relative_to(ROOT).parts)]
     vllm = ROOT / "templates" / "vllm"
     if vllm.is_dir():
         found += [p for p in vllm.rglob("*") if p.is_file() and p.suffix != ".j2"]
