@@ -10,7 +10,6 @@ redone rather than trusted.
 from __future__ import annotations
 
 import fcntl
-import os
 import shutil
 import subprocess
 import sys
@@ -106,13 +105,3 @@ def vllm_venv() -> Path:
             _pip(python, "install", "--no-deps", str(wheel))
             done.write_text(stamp_text)
     return _venv_python()
-
-
-def run_in_venv(python: Path, script: Path, *args: str, env: dict[str, str] | None = None):
-    """Run `script` with the test venv's Python, sparkple importable from this checkout."""
-    full_env = dict(os.environ)
-    full_env["PYTHONPATH"] = str(REPO)
-    full_env.update(env or {})
-    return subprocess.run(
-        [str(python), str(script), *args], capture_output=True, text=True, env=full_env
-    )
