@@ -1,12 +1,12 @@
 """Run inside the vLLM test venv: stock vLLM PLE vs the patched packed-table backend.
 
-Usage: python ple_equivalence.py SNAPSHOT TABLE_DIR RENDERED_DIR RESULT_JSON [DEVICE]
+Usage: python ple_equivalence.py DEVICE RENDERED_DIR RESULT_JSON SNAPSHOT=TABLE_DIR [...]
 
 Builds vLLM 0.33.0's own `Qwen4ExpNGramEmbedding` from a synthetic checkpoint twice: with the
 stock device backend (rows loaded into a tensor), and with the rendered patch files laid over
 the package (as the bind mounts do in the serving container) and VLLM_PLE_PACKED_TABLE_DIR
-naming the table built from the same checkpoint. Writes what it observed to RESULT_JSON; the
-pytest side asserts on it.
+naming the table built from the same checkpoint. Writes what it observed, per checkpoint
+quantization, to RESULT_JSON; the pytest side asserts on it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from safetensors import safe_open
 MAX_TOKENS = 512
 PLE_DECODER_LAYER = 1  # ple_layer_ids [2] is one-based
 # "cpu" (CI) or "cuda" (where vLLM's Triton kernels and the pinned-staging copy run)
-DEVICE = torch.device(sys.argv[5] if len(sys.argv) > 5 else "cpu")
+DEVICE = torch.device(sys.argv[1])
+NGRAM_MODULE = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
 
 
 @contextmanager
@@ -74,9 +75,7 @@ def checkpoint_weights(snapshot: Path, prefix: str, peak: dict):
                 peak["rss"] = max(peak["rss"], rss_bytes() - base)
 
 
-def build(config, snapshot: Path, prefix: str, dtype: torch.dtype):
-    module_name = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
-    module = importlib.import_module(module_name)
+def build(module, config, snapshot: Path, prefix: str, dtype: torch.dtype):
     with DEVICE:
         layer = module.Qwen4ExpNGramEmbedding(
             config,
@@ -172,8 +171,16 @@ def resident_bytes(layer) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta")
 
 
-def main() -> None:
-    snapshot, table_dir, rendered, result_path = map(Path, sys.argv[1:5])
+def patched_module(rendered: Path):
+    """The patched files laid over the package, as the container's bind mounts do."""
+    for package in ("vllm.models.qwen4_exp.nvidia", "vllm.models.qwen4_exp.common"):
+        sub = package.split(".", 1)[1].replace(".", "/")
+        importlib.import_module(package).__path__.insert(0, str(rendered / sub))
+    sys.modules.pop(NGRAM_MODULE)
+    return importlib.import_module(NGRAM_MODULE)
+
+
+def compare(stock_module, patched, snapshot: Path, table_dir: Path, work: Path) -> dict:
     from transformers import Qwen4ExpTextConfig
 
     from sparkple.geometry import PLEGeometry
@@ -191,108 +198,109 @@ def main() -> None:
     sequence = chunked_sequence(vocab, eos, seed=2)
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-    with tempfile.TemporaryDirectory() as work, vllm_context(Path(work)):
-        os.environ.pop("VLLM_PLE_PACKED_TABLE_DIR", None)
-        stock_layers = {k: build(config, snapshot, prefix, d) for k, d in dtypes.items()}
-        stock = {
-            k: outputs_for(layer, batches, sequence, eos) for k, (layer, _) in stock_layers.items()
-        }
-        stock_layer = stock_layers["float32"][0]
-        result["stock_backend"] = type(stock_layer.ngram_embedding).__name__
-        result["stock_resident_bytes"] = resident_bytes(stock_layer)
-        result["stock_load_rss_growth"] = stock_layer.load_rss_growth
+    os.environ.pop("VLLM_PLE_PACKED_TABLE_DIR", None)
+    stock_layers = {k: build(stock_module, config, snapshot, prefix, d) for k, d in dtypes.items()}
+    stock = {
+        k: outputs_for(layer, batches, sequence, eos) for k, (layer, _) in stock_layers.items()
+    }
+    stock_layer = stock_layers["float32"][0]
+    result["stock_backend"] = type(stock_layer.ngram_embedding).__name__
+    result["stock_resident_bytes"] = resident_bytes(stock_layer)
+    result["stock_load_rss_growth"] = stock_layer.load_rss_growth
 
-        # sparkple.ngram against vLLM's own compute_ngram_ids (CPU path), random batches
-        rng = np.random.default_rng(3)
-        mismatched = 0
-        for trial in range(50):
-            lengths = rng.integers(1, 40, size=rng.integers(1, 6))
-            tokens = rng.integers(0, vocab, size=int(lengths.sum()))
-            tokens[rng.random(tokens.shape[0]) < rng.random() * 0.3] = eos
-            starts = np.concatenate([[0], np.cumsum(lengths)])
-            context = rng.integers(0, vocab, size=(len(lengths), 2))
-            context[rng.random(context.shape) < 0.3] = eos
-            theirs = stock_layer.compute_ngram_ids(*as_step(tokens, starts, context)).cpu().numpy()
-            ours = row_ids(tokens, starts, context, geometry)
-            mismatched += int(not np.array_equal(theirs, ours))
-            result.setdefault("ngram_shape", list(theirs.shape)) if trial == 0 else None
-        result["ngram_trials"] = 50
-        result["ngram_mismatched"] = mismatched
+    # sparkple.ngram against vLLM's own compute_ngram_ids, random batches
+    rng = np.random.default_rng(3)
+    mismatched = 0
+    for _ in range(50):
+        lengths = rng.integers(1, 40, size=rng.integers(1, 6))
+        tokens = rng.integers(0, vocab, size=int(lengths.sum()))
+        tokens[rng.random(tokens.shape[0]) < rng.random() * 0.3] = eos
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+        context = rng.integers(0, vocab, size=(len(lengths), 2))
+        context[rng.random(context.shape) < 0.3] = eos
+        theirs = stock_layer.compute_ngram_ids(*as_step(tokens, starts, context)).cpu().numpy()
+        ours = row_ids(tokens, starts, context, geometry)
+        mismatched += int(not np.array_equal(theirs, ours))
+    result["ngram_trials"] = 50
+    result["ngram_mismatched"] = mismatched
 
-        # the patched files, laid over the package as the container's bind mounts do
-        for package in ("vllm.models.qwen4_exp.nvidia", "vllm.models.qwen4_exp.common"):
-            sub = package.split(".", 1)[1].replace(".", "/")
-            importlib.import_module(package).__path__.insert(0, str(rendered / sub))
-        sys.modules.pop("vllm.models.qwen4_exp.nvidia.ngram_embedding")
-        os.environ["VLLM_PLE_PACKED_TABLE_DIR"] = str(table_dir)
-        patched_layers = {k: build(config, snapshot, prefix, d) for k, d in dtypes.items()}
-        patched_module = sys.modules["vllm.models.qwen4_exp.nvidia.ngram_embedding"]
-        result["patched_module_file"] = patched_module.__file__
-        layer, loaded = patched_layers["float32"]
-        embedding = layer.ngram_embedding
-        result["patched_backend"] = type(embedding).__name__
-        result["patched_loaded"] = sorted(loaded)
-        result["patched_weight_devices"] = sorted(
-            {embedding.weight.device.type}
-            | ({embedding.weight_scale.device.type} if nvfp4 else set())
+    os.environ["VLLM_PLE_PACKED_TABLE_DIR"] = str(table_dir)
+    patched_layers = {k: build(patched, config, snapshot, prefix, d) for k, d in dtypes.items()}
+    result["patched_module_file"] = patched.__file__
+    layer, loaded = patched_layers["float32"]
+    embedding = layer.ngram_embedding
+    result["patched_backend"] = type(embedding).__name__
+    result["patched_loaded"] = sorted(loaded)
+    result["patched_weight_devices"] = sorted(
+        {embedding.weight.device.type} | ({embedding.weight_scale.device.type} if nvfp4 else set())
+    )
+    result["patched_resident_bytes"] = resident_bytes(layer)
+    result["patched_load_rss_growth"] = layer.load_rss_growth
+    result["table_bytes"] = int(embedding.table.meta.data_bytes)
+    result["table_advice"] = embedding.table.advice
+    scale = embedding.weight_scale_2 if nvfp4 else embedding.weight_scale
+    result["global_scale_loaded"] = float(scale.reshape(-1)[0])
+    result["global_scale_table"] = float(embedding.table.meta.global_scale)
+    result["buffers_equal"] = all(
+        torch.equal(getattr(layer, name), getattr(stock_layer, name))
+        for name in ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
+    )
+    patched_out = {
+        k: outputs_for(layer, batches, sequence, eos) for k, (layer, _) in patched_layers.items()
+    }
+    for name in dtypes:
+        pairs = list(zip(stock[name], patched_out[name], strict=True))
+        result[f"{name}_steps"] = len(pairs)
+        result[f"{name}_identical"] = [bool(torch.equal(a, b)) for a, b in pairs]
+        result[f"{name}_max_abs_diff"] = max(
+            float((a.float() - b.float()).abs().max()) for a, b in pairs
         )
-        result["patched_resident_bytes"] = resident_bytes(layer)
-        result["patched_load_rss_growth"] = layer.load_rss_growth
-        result["table_bytes"] = int(embedding.table.meta.data_bytes)
-        result["table_advice"] = embedding.table.advice
-        scale = embedding.weight_scale_2 if nvfp4 else embedding.weight_scale
-        result["global_scale_loaded"] = float(scale.reshape(-1)[0])
-        result["global_scale_table"] = float(embedding.table.meta.global_scale)
-        result["buffers_equal"] = all(
-            torch.equal(getattr(layer, name), getattr(stock_layer, name))
-            for name in ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
-        )
-        patched = {
-            k: outputs_for(layer, batches, sequence, eos)
-            for k, (layer, _) in patched_layers.items()
-        }
-        for name in dtypes:
-            pairs = list(zip(stock[name], patched[name], strict=True))
-            result[f"{name}_steps"] = len(pairs)
-            result[f"{name}_identical"] = [bool(torch.equal(a, b)) for a, b in pairs]
-            result[f"{name}_max_abs_diff"] = max(
-                float((a.float() - b.float()).abs().max()) for a, b in pairs
-            )
-            result[f"{name}_shapes_equal"] = all(a.shape == b.shape for a, b in pairs)
-            result[f"{name}_nonzero"] = all(bool(a.abs().sum() > 0) for a, _ in pairs)
-        # float32: bit-exact with vLLM's CUDA kernel order, within one rounding of its CPU path
-        if nvfp4:
-            reference = [kernel_order_step(stock_layer, *as_step(*batch)) for batch in batches]
-            pairs = list(zip(reference, patched["float32"][: len(reference)], strict=True))
-            result["float32_identical_to_kernel_order"] = [
-                bool(torch.equal(a, b)) for a, b in pairs
-            ]
-        result["float32_max_rel_diff_to_cpu_path"] = max(
-            float(((a - b).abs() / a.abs().clamp_min(1e-30)).max())
-            for a, b in zip(stock["float32"], patched["float32"], strict=True)
-        )
-        # chunked == whole, within each path
-        result["chunked_equals_whole"] = bool(
-            torch.equal(patched["float32"][-1], patched["float32"][-2])
-            and torch.equal(stock["float32"][-1], stock["float32"][-2])
-        )
-        for layer, _ in patched_layers.values():
-            layer.ngram_embedding.close()
+        result[f"{name}_shapes_equal"] = all(a.shape == b.shape for a, b in pairs)
+        result[f"{name}_nonzero"] = all(bool(a.abs().sum() > 0) for a, _ in pairs)
+    if nvfp4:
+        # float32: bit-exact with vLLM's CUDA kernel order, one rounding from its CPU path
+        reference = [kernel_order_step(stock_layer, *as_step(*batch)) for batch in batches]
+        pairs = list(zip(reference, patched_out["float32"][: len(reference)], strict=True))
+        result["float32_identical_to_kernel_order"] = [bool(torch.equal(a, b)) for a, b in pairs]
+    result["float32_max_rel_diff_to_cpu_path"] = max(
+        float(((a - b).abs() / a.abs().clamp_min(1e-30)).max())
+        for a, b in zip(stock["float32"], patched_out["float32"], strict=True)
+    )
+    # chunked == whole, within each path
+    result["chunked_equals_whole"] = bool(
+        torch.equal(patched_out["float32"][-1], patched_out["float32"][-2])
+        and torch.equal(stock["float32"][-1], stock["float32"][-2])
+    )
+    for layer, _ in patched_layers.values():
+        layer.ngram_embedding.close()
 
-        # the patched files without the env var: vLLM's own backend, as before
-        os.environ.pop("VLLM_PLE_PACKED_TABLE_DIR")
-        unset, _ = build(config, snapshot, prefix, torch.float32)
-        result["patched_unset_backend"] = type(unset.ngram_embedding).__name__
-        # a directory that holds no table: a clear error, no silent fallback
-        os.environ["VLLM_PLE_PACKED_TABLE_DIR"] = str(Path(work) / "no-table-here")
-        try:
-            build(config, snapshot, prefix, torch.float32)
-            result["missing_table_error"] = None
-        except Exception as exc:
-            result["missing_table_error"] = f"{type(exc).__name__}: {exc}"
-
+    # the patched files without the env var: vLLM's own backend, as before
+    os.environ.pop("VLLM_PLE_PACKED_TABLE_DIR")
+    unset, _ = build(patched, config, snapshot, prefix, torch.float32)
+    result["patched_unset_backend"] = type(unset.ngram_embedding).__name__
+    # a directory that holds no table: a clear error, no silent fallback
+    os.environ["VLLM_PLE_PACKED_TABLE_DIR"] = str(work / "no-table-here")
+    try:
+        build(patched, config, snapshot, prefix, torch.float32)
+        result["missing_table_error"] = None
+    except Exception as exc:
+        result["missing_table_error"] = f"{type(exc).__name__}: {exc}"
+    os.environ.pop("VLLM_PLE_PACKED_TABLE_DIR")
     result["device"] = DEVICE.type
-    Path(result_path).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def main() -> None:
+    rendered, result_path = Path(sys.argv[2]), Path(sys.argv[3])
+    cases = [tuple(map(Path, arg.split("=", 1))) for arg in sys.argv[4:]]
+    results = {}
+    with tempfile.TemporaryDirectory() as work, vllm_context(Path(work)):
+        stock_module = importlib.import_module(NGRAM_MODULE)
+        patched = patched_module(rendered)
+        for snapshot, table_dir in cases:
+            result = compare(stock_module, patched, snapshot, table_dir, Path(work))
+            results[result["quant"]] = result
+    result_path.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":
