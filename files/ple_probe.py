@@ -24,7 +24,7 @@ from typing import Any
 
 from ple_alert import Alerter
 from ple_host import run_command
-from ple_state import iso, manual_stop_path, read_json, write_json, write_marker
+from ple_state import iso, manual_stop_path, read_json, update_json, write_json, write_marker
 
 
 def log(message: str) -> None:
@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             values = {"container": args.container, "unit": args.unit}
             done = run_command(args.wedged_cmd, values, timeout_s=args.wedged_cmd_timeout_s)
             action["action_exit"] = done.returncode
+            update_json(marker, {"action": args.wedged_cmd, "action_exit": done.returncode})
             log(f"wedge action exited {done.returncode}")
         alerter.send("engine-wedged", f"engine wedged: {detail}", action)
         state.update(consecutive_failures=0, last_wedged=now, last_result="wedged")

@@ -104,6 +104,13 @@ def serve(directory: Path, port: int, api_key: str) -> int:
     engine_port = free_port()
     child = subprocess.Popen([sys.executable, __file__, "engine", "--port", str(engine_port)])
     (directory / "engine.pid").write_text(f"{child.pid}\n")
+    deadline = time.monotonic() + 10  # like vLLM, /health answers once the engine is up
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", engine_port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.01)
     in_flight = [0]
     lock = threading.Lock()
 
@@ -144,6 +151,8 @@ def serve(directory: Path, port: int, api_key: str) -> int:
                 )
                 with urllib.request.urlopen(request, timeout=600) as response:
                     self.reply(200, json.loads(response.read()))
+            except OSError as exc:
+                self.reply(500, {"error": f"engine: {exc}"})
             finally:
                 with lock:
                     in_flight[0] -= 1
