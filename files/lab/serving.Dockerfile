@@ -1,0 +1,10 @@
+# The lab's stand-in for the serving image (vllm/vllm-openai on a real Spark):
+# Debian's Python 3, numpy and the patch engine's dependencies, the real vLLM 0.33.0
+# Python sources at the image's package path, and the lab server as entrypoint.
+# It does not run vLLM: it has no GPU and no compiled vLLM kernels.
+FROM local/sparkple-lab-python:bookworm
+COPY site-packages/ /usr/local/lib/python3.11/dist-packages/
+COPY lab_server.py /opt/sparkple-lab/lab_server.py
+LABEL org.sparkple.lab="serving-stand-in"
+ENV PYTHONDONTWRITEBYTECODE=1
+ENTRYPOINT ["python3", "/opt/sparkple-lab/lab_server.py"]

@@ -1,0 +1,253 @@
+"""Host-side completion handshake between the CPU gather worker and the GPU forward.
+
+One int64 sequence flag lives in shared memory (a small file in /dev/shm, mapped by every
+party, so it works between threads and between processes). The producer publishes `seq`
+only after its rows are in the staging buffer; the consumer waits until the flag reaches
+`seq`. GB10 has no CUDA stream-memory-op semaphores, so this replaces them on the host.
+
+Sequence numbers start at 1 and only move forward: publishing a seq that is not above the
+flag, or waiting twice for the same seq, is a protocol error (HandshakeError), never a hang.
+Next to the flag the header records who the producer is (pid, thread id, start time), so a
+waiter notices within about a second when that thread or process is gone (ProducerDied)
+instead of waiting out its timeout.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from .errors import HandshakeError, HandshakeTimeout, ProducerDied
+
+# Header layout: int64 slots in one 64-byte line.
+_SEQ, _MAGIC, _PID, _TID, _START, _STATE = range(6)
+_HEADER_BYTES = 64
+_MAGIC_VALUE = 0x53504B4C53455131  # "SPKLSEQ1"
+_STATE_NONE, _STATE_LIVE, _STATE_CLOSED = 0, 1, 2
+
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_SPIN_S = 0.0005  # busy-poll this long before sleeping: most steps finish sooner
+_SLEEP_MIN_S = 0.00002
+_SLEEP_MAX_S = 0.0005
+_LIVENESS_EVERY_S = 0.05
+
+_SHM_DIR = "/dev/shm"
+
+
+_FENCE = threading.Lock()
+
+
+def _ordering_fence() -> None:
+    """A full memory barrier from pure Python.
+
+    A lock release followed by an acquire is a release-then-acquire pair, which orders every
+    store before it ahead of every store after it, also on arm64 (GB10): the staging rows
+    become visible no later than the flag that announces them.
+    """
+    _FENCE.acquire()
+    _FENCE.release()
+    _FENCE.acquire()
+    _FENCE.release()
+
+
+def _task_identity(pid: int, tid: int) -> int | None:
+    """The start time (clock ticks since boot) of a live task, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # Fields after the parenthesised command name: state is the first, starttime the 20th.
+    rest = stat[stat.rindex(b")") + 2 :].split()
+    if rest[0] in (b"Z", b"X"):
+        return None
+    return int(rest[19])
+
+
+class SeqFlag:
+    """One int64 sequence flag (plus a small producer header) in shared memory.
+
+    `SeqFlag.create()` makes a new flag file in /dev/shm; other processes `SeqFlag.attach(path)`
+    to the same file. The creator unlinks it on `close()` (or `unlink()` explicitly).
+    """
+
+    def __init__(self, path: Path, *, owner: bool) -> None:
+        self.path = path
+        self._owner = owner
+        fd = os.open(path, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size < _HEADER_BYTES:
+                raise HandshakeError(
+                    f"{path} is not a sparkple sequence flag (too small); "
+                    "pass the path SeqFlag.create() returned"
+                )
+            self._mm = mmap.mmap(fd, _HEADER_BYTES, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._slots = memoryview(self._mm).cast("q")
+        if self._slots[_MAGIC] != _MAGIC_VALUE:
+            self.close()
+            raise HandshakeError(f"{path} is not a sparkple sequence flag (bad magic)")
+
+    @classmethod
+    def create(cls, directory: str | os.PathLike[str] | None = None) -> SeqFlag:
+        """A new flag at seq 0 in `directory` (default /dev/shm, else the temp dir)."""
+        if directory is None:
+            directory = _SHM_DIR if os.path.isdir(_SHM_DIR) else tempfile.gettempdir()
+        fd, name = tempfile.mkstemp(prefix="sparkple-seq-", dir=directory)
+        try:
+            os.ftruncate(fd, _HEADER_BYTES)
+            with mmap.mmap(fd, _HEADER_BYTES) as mm:
+                memoryview(mm).cast("q")[_MAGIC] = _MAGIC_VALUE
+        finally:
+            os.close(fd)
+        return cls(Path(name), owner=True)
+
+    @classmethod
+    def attach(cls, path: str | os.PathLike[str]) -> SeqFlag:
+        try:
+            return cls(Path(path), owner=False)
+        except FileNotFoundError:
+            raise HandshakeError(
+                f"no sequence flag at {path}: the producer has not created it or already closed it"
+            ) from None
+
+    @property
+    def value(self) -> int:
+        return self._slots[_SEQ]
+
+    def _get(self, slot: int) -> int:
+        return self._slots[slot]
+
+    def _set(self, slot: int, value: int) -> None:
+        self._slots[slot] = value
+
+    def unlink(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if self._mm.closed:
+            return
+        self._slots.release()
+        self._mm.close()
+        if self._owner:
+            self.unlink()
+
+    def __enter__(self) -> SeqFlag:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Publisher:
+    """The producer side: `publish(seq)` after the staging copy for `seq` is complete.
+
+    The producer is the thread that calls `claim()` (done at construction); a waiter watches
+    that thread and its process.
+    """
+
+    def __init__(self, flag: SeqFlag) -> None:
+        self.flag = flag
+        self.claim()
+
+    def claim(self) -> None:
+        """Make the calling thread the producer a waiter watches for liveness."""
+        pid, tid = os.getpid(), threading.get_native_id()
+        start = _task_identity(pid, tid)
+        self.flag._set(_PID, pid)
+        self.flag._set(_TID, tid)
+        self.flag._set(_START, start if start is not None else 0)
+        self.flag._set(_STATE, _STATE_LIVE)
+
+    def publish(self, seq: int) -> None:
+        current = self.flag.value
+        if seq <= current:
+            raise HandshakeError(
+                f"publish({seq}) but the flag is already at {current}: sequence numbers only "
+                "move forward; the caller reused or reordered a step number"
+            )
+        _ordering_fence()
+        self.flag._set(_SEQ, seq)
+
+    def close(self) -> None:
+        """Tell waiters that nothing more will be published (they get ProducerDied)."""
+        self.flag._set(_STATE, _STATE_CLOSED)
+
+
+class Waiter:
+    """The consumer side: `wait(seq)` returns once the flag has reached `seq`."""
+
+    def __init__(
+        self,
+        flag: SeqFlag,
+        *,
+        spin_s: float = DEFAULT_SPIN_S,
+        liveness_every_s: float = _LIVENESS_EVERY_S,
+    ) -> None:
+        self.flag = flag
+        self.spin_s = spin_s
+        self.liveness_every_s = liveness_every_s
+        self.last_seq = 0
+
+    def wait(self, seq: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+        """Block until the flag is >= seq; returns the flag value seen."""
+        if seq <= self.last_seq:
+            raise HandshakeError(
+                f"wait({seq}) after wait({self.last_seq}): a consumer waits for each step once, "
+                "in increasing order"
+            )
+        value = self._wait(seq, timeout_s)
+        self.last_seq = seq
+        _ordering_fence()  # the staging reads that follow must not see older bytes
+        return value
+
+    def _wait(self, seq: int, timeout_s: float) -> int:
+        slots = self.flag._slots
+        start = time.perf_counter()
+        spin_until = start + self.spin_s
+        while True:
+            value = slots[_SEQ]
+            if value >= seq:
+                return value
+            if time.perf_counter() >= spin_until:
+                break
+        deadline = start + timeout_s
+        next_check = start
+        step = _SLEEP_MIN_S
+        while True:
+            value = slots[_SEQ]
+            if value >= seq:
+                return value
+            now = time.perf_counter()
+            if now >= next_check:
+                self._check_producer(seq)
+                next_check = now + self.liveness_every_s
+            if now >= deadline:
+                raise HandshakeTimeout(seq, value, now - start)
+            time.sleep(min(step, max(0.0, deadline - now)))
+            step = min(step * 2, _SLEEP_MAX_S)
+
+    def _check_producer(self, seq: int) -> None:
+        flag = self.flag
+        state = flag._get(_STATE)
+        if state == _STATE_NONE:
+            return  # no producer has claimed the flag yet: only the timeout applies
+        pid, tid = flag._get(_PID), flag._get(_TID)
+        if state == _STATE_CLOSED:
+            # One last look: the final publish may have landed just before close().
+            if flag.value >= seq:
+                return
+            raise ProducerDied(
+                f"waiting for seq {seq} but the producer (pid {pid}, thread {tid}) closed at "
+                f"seq {flag.value}: it will publish nothing more"
+            )
+        if _task_identity(pid, tid) != flag._get(_START) and flag.value < seq:
+            raise ProducerDied(
+                f"waiting for seq {seq} (flag at {flag.value}) but the producer (pid {pid}, "
+                f"thread {tid}) is gone: it crashed or was killed; restart the gather worker"
+            )

@@ -1,0 +1,149 @@
+"""Row ids of the PLE table for a batch of tokens, bit-exact with vLLM's hash.
+
+For a token t0 with predecessors t1..t(n-1) (EOS at the start of a request, and never reaching
+back across an EOS), order g mixes x_g = XOR_{k<g} t_k * m_k in wrapping int64; head h of order
+g reads row offset[h] + floor_mod(x_g, size[h]). Arguments follow vLLM's compute_ngram_ids:
+`query_start_loc` splits `input_ids` into requests and `ngram_context[r]` holds the
+ngram_size - 1 tokens before request r's chunk, oldest first, so chunks hash like one pass.
+Tokens past query_start_loc[-1] (padding) continue the last request, as in vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .geometry import PLEGeometry
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _check_layout(
+    num_tokens: int, qsl_first: int, qsl_last: int, num_reqs: int, ctx_shape: tuple, context: int
+) -> None:
+    if num_reqs < 1:
+        raise ValueError("query_start_loc needs at least two entries (one request)")
+    if qsl_first != 0 or qsl_last > num_tokens:
+        raise ValueError(
+            f"query_start_loc must start at 0 and end at most at {num_tokens} tokens, "
+            f"got {qsl_first}..{qsl_last}"
+        )
+    if len(ctx_shape) != 2 or ctx_shape[0] < num_reqs or ctx_shape[1] != context:
+        raise ValueError(f"ngram_context must be [>= {num_reqs}, {context}], got {list(ctx_shape)}")
+
+
+def _flat_layout(qsl: np.ndarray, num_tokens: int, context: int) -> tuple[np.ndarray, np.ndarray]:
+    """Request index per token, and where each token sits in the context-interleaved array."""
+    positions = np.arange(num_tokens, dtype=np.int64)
+    req = np.searchsorted(qsl[1:-1], positions, side="right").astype(np.int64)
+    return req, positions + context * (req + 1)
+
+
+def row_ids(
+    input_ids: np.ndarray,
+    query_start_loc: np.ndarray,
+    ngram_context: np.ndarray,
+    geometry: PLEGeometry,
+) -> np.ndarray:
+    """The num_heads row ids of each token: int64[T, num_heads]."""
+    ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
+    qsl = np.asarray(query_start_loc, dtype=np.int64).reshape(-1)
+    ctx = np.asarray(ngram_context, dtype=np.int64)
+    n, t, r = geometry.ngram_size, ids.shape[0], qsl.shape[0] - 1
+    c = n - 1
+    _check_layout(
+        t, int(qsl[0]) if qsl.size else 0, int(qsl[-1]) if qsl.size else 0, r, ctx.shape, c
+    )
+    req, tok_pos = _flat_layout(qsl, t, c)
+    # One array: request r's context, then its tokens, then request r+1's context, ...
+    flat = np.empty(t + c * r, dtype=np.int64)
+    seg_start = qsl[:-1] + c * np.arange(r, dtype=np.int64)
+    flat[tok_pos] = ids
+    flat[(seg_start[:, None] + np.arange(c)).reshape(-1)] = ctx[:r].reshape(-1)
+    # Last EOS at or before each position; a request start resets it to start - 1.
+    idx = np.arange(flat.shape[0], dtype=np.int64)
+    marker = np.where(flat == geometry.eos_token_id, idx, -1)
+    marker[seg_start] = np.maximum(marker[seg_start], seg_start - 1)
+    last_eos = np.maximum.accumulate(marker)
+    prev_eos = last_eos[tok_pos - 1]  # last EOS strictly before the token
+    return _mix(
+        ids,
+        [
+            np.where(tok_pos - k > prev_eos, flat[tok_pos - k], geometry.eos_token_id)
+            for k in range(1, n)
+        ],
+        geometry,
+    )
+
+
+def _mix(t0: np.ndarray, preds: list[np.ndarray], g: PLEGeometry) -> np.ndarray:
+    m = np.asarray(g.multipliers, dtype=np.int64)
+    sizes = np.asarray(g.head_sizes, dtype=np.int64)
+    offsets = np.asarray(g.head_offsets, dtype=np.int64)
+    out = np.empty((t0.shape[0], g.num_heads), dtype=np.int64)
+    x = t0 * m[0]  # int64 arrays wrap on overflow, like torch.long
+    for order in range(2, g.ngram_size + 1):
+        x = x ^ (preds[order - 2] * m[order - 1])
+        heads = slice((order - 2) * g.heads_per_ngram, (order - 1) * g.heads_per_ngram)
+        out[:, heads] = np.mod(x[:, None], sizes[heads]) + offsets[heads]
+    return out
+
+
+def row_ids_torch(
+    input_ids: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    ngram_context: torch.Tensor,
+    geometry: PLEGeometry,
+) -> torch.Tensor:
+    """Torch version of row_ids on the tensors' device: torch.int64[T, num_heads]."""
+    import torch
+
+    ids = input_ids.reshape(-1).long()
+    dev = ids.device
+    qsl = query_start_loc.reshape(-1).long().to(dev)
+    ctx = ngram_context.long().to(dev)
+    n, t, r = geometry.ngram_size, ids.shape[0], qsl.shape[0] - 1
+    c = n - 1
+    _check_layout(
+        t,
+        int(qsl[0]) if qsl.numel() else 0,
+        int(qsl[-1]) if qsl.numel() else 0,
+        r,
+        tuple(ctx.shape),
+        c,
+    )
+    positions = torch.arange(t, dtype=torch.int64, device=dev)
+    req = torch.searchsorted(qsl[1:-1].contiguous(), positions, right=True)
+    tok_pos = positions + c * (req + 1)
+    flat = torch.empty(t + c * r, dtype=torch.int64, device=dev)
+    seg_start = qsl[:-1] + c * torch.arange(r, dtype=torch.int64, device=dev)
+    flat[tok_pos] = ids
+    flat[(seg_start[:, None] + torch.arange(c, device=dev)).reshape(-1)] = ctx[:r].reshape(-1)
+    idx = torch.arange(flat.shape[0], dtype=torch.int64, device=dev)
+    marker = torch.where(flat == geometry.eos_token_id, idx, torch.full_like(idx, -1))
+    marker[seg_start] = torch.maximum(marker[seg_start], seg_start - 1)
+    last_eos = torch.cummax(marker, dim=0).values if flat.numel() else marker
+    prev_eos = last_eos[tok_pos - 1]
+    eos = torch.full_like(ids, geometry.eos_token_id)
+    m = torch.tensor(geometry.multipliers, dtype=torch.int64, device=dev)
+    sizes = torch.tensor(geometry.head_sizes, dtype=torch.int64, device=dev)
+    offsets = torch.tensor(geometry.head_offsets, dtype=torch.int64, device=dev)
+    out = torch.empty((t, geometry.num_heads), dtype=torch.int64, device=dev)
+    x = ids * m[0]
+    hp = geometry.heads_per_ngram
+    for order in range(2, n + 1):
+        k = order - 1
+        pred = torch.where(tok_pos - k > prev_eos, flat[tok_pos - k], eos)
+        x = torch.bitwise_xor(x, pred * m[k])
+        heads = slice((order - 2) * hp, (order - 1) * hp)
+        out[:, heads] = torch.remainder(x[:, None], sizes[heads]) + offsets[heads]
+    return out
+
+
+def row_ids_any(input_ids: Any, query_start_loc: Any, ngram_context: Any, g: PLEGeometry) -> Any:
+    """row_ids for numpy inputs, row_ids_torch for torch tensors."""
+    if isinstance(input_ids, np.ndarray):
+        return row_ids(input_ids, query_start_loc, ngram_context, g)
+    return row_ids_torch(input_ids, query_start_loc, ngram_context, g)

@@ -1,0 +1,280 @@
+"""The gather worker: one thread that turns a step's tokens into staged PLE rows.
+
+Producer side (the model runner, a layer ahead of the PLE layer):
+    worker.submit(seq, input_ids, query_start_loc, ngram_context)   # or submit_row_ids
+Consumer side (the PLE layer):
+    rows = worker.wait(seq)          # uint8[T, H, row_width] view of a staging slot
+    ...copy rows to the GPU (or worker.decode(seq, device))...
+    worker.release(seq)              # the slot may be refilled
+
+For each step the thread computes the row ids (sparkple.ngram), prefetches their pages,
+gathers the rows into a free staging slot and then publishes seq through the handshake. With
+two slots, step N+1 is gathered while step N's rows are still being consumed.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import HandshakeError, TableError
+from .gather import gather_rows
+from .geometry import PLEGeometry
+from .handshake import DEFAULT_TIMEOUT_S, Publisher, SeqFlag, Waiter
+from .ngram import row_ids as compute_row_ids
+from .prefetch import Prefetcher, PrefetchStats
+
+if TYPE_CHECKING:
+    import torch
+
+    from .table import PackedTable
+
+_GEOMETRY_KEYS = ("total_rows", "num_heads", "head_dim", "eos_token_id", "ngram_size")
+
+
+@dataclass
+class _Job:
+    seq: int
+    slot: int
+    row_ids: np.ndarray | None = None
+    tokens: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+
+@dataclass
+class StepInfo:
+    """What the worker did for one step (for metrics and benchmarks)."""
+
+    seq: int
+    slot: int
+    tokens: int
+    prefetch: PrefetchStats | None
+    error: BaseException | None = None
+
+
+def check_geometry(table: PackedTable, geometry: PLEGeometry) -> None:
+    """The table must be the one built for this model's PLE geometry."""
+    wrong = [
+        f"{k}: table {getattr(table.meta, k)!r}, model {getattr(geometry, k)!r}"
+        for k in (*_GEOMETRY_KEYS, "head_sizes", "head_offsets", "multipliers")
+        if list(np.atleast_1d(getattr(table.meta, k))) != list(np.atleast_1d(getattr(geometry, k)))
+    ]
+    if wrong:
+        raise TableError(
+            f"the table in {table.table_dir} was not built for this model ({'; '.join(wrong)}): "
+            "rebuild it from this checkpoint with `sparkple build-table --force`"
+        )
+
+
+class GatherWorker:
+    """A gather thread with `slots` staging buffers of max_tokens x heads x row_width bytes.
+
+    prefetch: True (a Prefetcher with defaults), False, or a Prefetcher to use.
+    pin_memory: allocate staging as pinned host memory (needs torch with CUDA) so the GPU
+      copy can be asynchronous.
+    """
+
+    def __init__(
+        self,
+        table: PackedTable,
+        geometry: PLEGeometry,
+        max_tokens: int,
+        *,
+        slots: int = 2,
+        prefetch: bool | Prefetcher = True,
+        pin_memory: bool = False,
+        spin_s: float | None = None,
+    ) -> None:
+        if max_tokens < 1 or slots < 1:
+            raise ValueError(f"max_tokens ({max_tokens}) and slots ({slots}) must be >= 1")
+        check_geometry(table, geometry)
+        self.table = table
+        self.geometry = geometry
+        self.max_tokens = max_tokens
+        self.slots = slots
+        shape = (slots, max_tokens, geometry.num_heads, table.row_width)
+        self._pinned: torch.Tensor | None = None
+        if pin_memory:
+            import torch
+
+            self._pinned = torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+            self.staging = self._pinned.numpy()
+        else:
+            self.staging = np.empty(shape, dtype=np.uint8)
+        self._own_prefetcher = prefetch is True
+        if isinstance(prefetch, Prefetcher):
+            self.prefetcher: Prefetcher | None = prefetch
+        else:
+            self.prefetcher = Prefetcher(table) if prefetch else None
+        self._flag = SeqFlag.create()
+        self._waiter = Waiter(self._flag) if spin_s is None else Waiter(self._flag, spin_s=spin_s)
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._lock = threading.Condition()
+        self._free = list(range(slots))
+        self._held: dict[int, _Job] = {}  # seq -> job, from submit until release
+        self._done: dict[int, StepInfo] = {}
+        self._events: dict[int, Any] = {}  # seq -> CUDA event of an in-flight device copy
+        self._last_submitted = 0
+        self._closed = False
+        self._publisher: Publisher | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sparkple-gather", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    # ---------------------------------------------------------------- producer side
+
+    def submit(
+        self,
+        seq: int,
+        input_ids: Any,
+        query_start_loc: Any,
+        ngram_context: Any,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        """Queue step `seq`: tokens with their requests' boundaries and two context tokens."""
+        ids = np.array(input_ids, dtype=np.int64).reshape(-1)
+        tokens = (
+            ids,
+            np.array(query_start_loc, dtype=np.int64).reshape(-1),
+            np.array(ngram_context, dtype=np.int64),
+        )
+        self._enqueue(seq, ids.shape[0], timeout_s, tokens=tokens)
+
+    def submit_row_ids(self, seq: int, row_ids: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S):
+        """Queue step `seq` with precomputed row ids int64[T, num_heads]."""
+        ids = np.array(row_ids, dtype=np.int64)
+        if ids.ndim != 2 or ids.shape[1] != self.geometry.num_heads:
+            want = f"[tokens, {self.geometry.num_heads}]"
+            raise ValueError(f"row ids must be {want}, got {list(ids.shape)}")
+        self._enqueue(seq, ids.shape[0], timeout_s, row_ids=ids)
+
+    def _enqueue(self, seq: int, tokens: int, timeout_s: float, **work: Any) -> None:
+        if tokens > self.max_tokens:
+            raise ValueError(
+                f"step {seq} has {tokens} tokens, the staging holds {self.max_tokens}: "
+                "raise max_tokens to the scheduler's max_num_batched_tokens"
+            )
+        with self._lock:
+            if self._closed:
+                raise HandshakeError("the gather worker is closed")
+            if seq <= self._last_submitted:
+                raise HandshakeError(
+                    f"submit({seq}) after submit({self._last_submitted}): step numbers must "
+                    "increase"
+                )
+            if not self._lock.wait_for(lambda: self._free or self._closed, timeout=timeout_s):
+                raise HandshakeError(
+                    f"no free staging slot for step {seq} after {timeout_s} s: steps "
+                    f"{sorted(self._held)} were never released; call release(seq) after "
+                    "consuming each step"
+                )
+            if self._closed:
+                raise HandshakeError("the gather worker is closed")
+            job = _Job(seq, self._free.pop(0), **work)
+            self._held[seq] = job
+            self._last_submitted = seq
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        self._publisher = Publisher(self._flag)  # this thread is the producer waiters watch
+        self._ready.set()
+        while (job := self._jobs.get()) is not None:
+            info = StepInfo(job.seq, job.slot, 0, None)
+            try:
+                ids = job.row_ids
+                if ids is None:
+                    assert job.tokens is not None
+                    ids = compute_row_ids(*job.tokens, self.geometry)
+                info.tokens = ids.shape[0]
+                if self.prefetcher is not None:
+                    info.prefetch = self.prefetcher.prefetch(ids)
+                gather_rows(self.table.rows, ids, self.staging[job.slot, : ids.shape[0]])
+            except Exception as exc:  # handed to the consumer of this step
+                info.error = exc
+            with self._lock:
+                self._done[job.seq] = info
+            self._publisher.publish(job.seq)
+        self._publisher.close()
+
+    # ---------------------------------------------------------------- consumer side
+
+    def wait(self, seq: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> np.ndarray:
+        """The staged rows of step `seq` (uint8[T, H, row_width]) once they are complete.
+
+        Raises HandshakeTimeout, ProducerDied, or the error the worker hit on this step.
+        """
+        with self._lock:
+            job = self._held.get(seq)
+        if job is None:
+            raise HandshakeError(f"step {seq} was never submitted or is already released")
+        self._waiter.wait(seq, timeout_s)
+        with self._lock:
+            info = self._done[seq]
+        if info.error is not None:
+            raise info.error
+        return self.staging[job.slot, : info.tokens]
+
+    def info(self, seq: int) -> StepInfo:
+        with self._lock:
+            return self._done[seq]
+
+    def decode(self, seq: int, rows: np.ndarray, device: Any = "cpu", dtype: Any = None):
+        """Copy a waited step's rows to `device` and decode them there: float[T, H, head_dim].
+
+        A CUDA copy from pinned staging is asynchronous; release(seq) waits for it to finish
+        before the slot can be refilled.
+        """
+        import torch
+
+        from .nvfp4 import dequantize_rows_torch
+
+        dtype = torch.float32 if dtype is None else dtype
+        host = torch.from_numpy(rows)
+        dev = torch.device(device)
+        packed = host.to(dev, non_blocking=self._pinned is not None)
+        if dev.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            with self._lock:
+                self._events[seq] = event
+        meta = self.table.meta
+        if meta.quant == "nvfp4":
+            return dequantize_rows_torch(packed, meta.global_scale, meta.head_dim, dtype=dtype)
+        return (packed.view(torch.float8_e4m3fn).float() * meta.global_scale).to(dtype)
+
+    def release(self, seq: int) -> None:
+        """Give step `seq`'s staging slot back to the worker."""
+        with self._lock:
+            job = self._held.pop(seq, None)
+            event = self._events.pop(seq, None)
+            self._done.pop(seq, None)
+        if job is None:
+            raise HandshakeError(f"release({seq}): step {seq} is not held")
+        if event is not None:
+            event.synchronize()  # the device copy still reads the slot
+        with self._lock:
+            self._free.append(job.slot)
+            self._lock.notify_all()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._lock.notify_all()
+        self._jobs.put(None)
+        self._thread.join()
+        if self.prefetcher is not None and self._own_prefetcher:
+            self.prefetcher.close()
+        self._flag.close()
+
+    def __enter__(self) -> GatherWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,40 @@
+"""Shared fixtures: synthetic snapshots written once per session into pytest's temp dir."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparkple.synth import synth_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def snapshots(tmp_path_factory):
+    """Build (and cache) small synthetic snapshots by name."""
+    cache: dict[str, Path] = {}
+
+    def get(name: str, **kwargs) -> Path:
+        if name not in cache:
+            cache[name] = synth_checkpoint(tmp_path_factory.mktemp(name) / "snap", **kwargs)
+        return cache[name]
+
+    return get
+
+
+def run_cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    """`python -m sparkple.cli ARGS` in a real subprocess."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [sys.executable, "-m", "sparkple.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        **kwargs,
+    )

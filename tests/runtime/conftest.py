@@ -1,0 +1,37 @@
+"""A small real table, built once per session through the real synth + build path.
+
+pytest's temp dir is on the machine's real disk (not tmpfs), so cold reads of these files
+reach the block device and show up in /proc/self/io read_bytes.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from sparkple.build import build_table, plan_build
+from sparkple.geometry import PLEGeometry
+from sparkple.synth import synth_checkpoint
+
+
+@dataclass
+class BuiltTable:
+    snapshot: Path
+    table_dir: Path
+    geometry: PLEGeometry
+
+    def copy_to(self, dest: Path) -> Path:
+        """A private copy of the table directory that a test may damage."""
+        shutil.copytree(self.table_dir, dest)
+        return dest
+
+
+@pytest.fixture(scope="session")
+def built_table(tmp_path_factory) -> BuiltTable:
+    root = tmp_path_factory.mktemp("runtime-table")
+    snap = synth_checkpoint(root / "snap", vocab_base=12_000, files=2, seed=3)
+    build_table(snap, root / "table", quiet=True)
+    return BuiltTable(snap, root / "table", plan_build(snap).geometry)
