@@ -1,0 +1,118 @@
+"""The real vLLM 0.33.0 sources, from the PyPI wheel, cached per machine in `.cache/`.
+
+`vllm_originals` downloads the wheel once (`pip download --no-deps`) and extracts the files the
+patch profile touches. `vllm_venv` builds a test virtualenv with CPU torch 2.13, the wheel
+installed `--no-deps`, and only the dependencies importing the Qwen4Exp PLE modules needs.
+Both are created under a lock and marked complete only at the end, so an interrupted run is
+redone rather than trusted.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE = REPO / ".cache"
+VLLM_VERSION = "0.33.0"
+WHEEL_DIR = CACHE / "vllm-wheel"
+SOURCES_DIR = CACHE / f"vllm-{VLLM_VERSION}-sources"
+VENV_DIR = CACHE / "vllm-venv"
+HERE = Path(__file__).resolve().parent
+# Everything below vllm/ in the wheel that the profile and the integration test read.
+EXTRACT_PREFIXES = ("vllm/models/qwen4_exp/",)
+# torch 2.13.0 (CPU) is a local file pip finds; vLLM's own pin (2.14) would download GBs.
+TORCH_PIN = "torch==2.13.0"
+
+
+@contextmanager
+def _locked(name: str) -> Iterator[None]:
+    CACHE.mkdir(exist_ok=True)
+    with open(CACHE / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _pip(python: Path | str, *args: str) -> None:
+    cmd = [str(python), "-m", "pip", "--disable-pip-version-check", "-q", *args]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stdout}\n{result.stderr}")
+
+
+def vllm_wheel() -> Path:
+    with _locked("vllm-wheel"):
+        wheels = sorted(WHEEL_DIR.glob(f"vllm-{VLLM_VERSION}-*.whl"))
+        if not wheels:
+            _pip(
+                sys.executable,
+                "download",
+                "--no-deps",
+                f"vllm=={VLLM_VERSION}",
+                "-d",
+                str(WHEEL_DIR),
+            )
+            wheels = sorted(WHEEL_DIR.glob(f"vllm-{VLLM_VERSION}-*.whl"))
+        if not wheels:
+            raise RuntimeError(f"pip download left no vllm {VLLM_VERSION} wheel in {WHEEL_DIR}")
+        return wheels[0]
+
+
+@pytest.fixture(scope="session")
+def vllm_originals() -> Path:
+    """The extracted `vllm` package directory (paths inside it as the profile names them)."""
+    wheel = vllm_wheel()
+    done = SOURCES_DIR / ".complete"
+    with _locked("vllm-sources"):
+        if not done.is_file():
+            shutil.rmtree(SOURCES_DIR, ignore_errors=True)
+            with zipfile.ZipFile(wheel) as archive:
+                for member in archive.namelist():
+                    if member.startswith(EXTRACT_PREFIXES) and member.endswith(".py"):
+                        archive.extract(member, SOURCES_DIR)
+            done.write_text(wheel.name + "\n")
+    return SOURCES_DIR / "vllm"
+
+
+def _venv_python() -> Path:
+    return VENV_DIR / "bin" / "python"
+
+
+@pytest.fixture(scope="session")
+def vllm_venv() -> Path:
+    """Python of a venv with vLLM 0.33.0 (no deps) that imports the Qwen4Exp PLE modules."""
+    wheel = vllm_wheel()
+    requirements = HERE / "venv-requirements.txt"
+    stamp_text = f"{wheel.name}\n{TORCH_PIN}\n{requirements.read_text()}"
+    done = VENV_DIR / ".complete"
+    with _locked("vllm-venv"):
+        if not (done.is_file() and done.read_text() == stamp_text):
+            shutil.rmtree(VENV_DIR, ignore_errors=True)
+            subprocess.run([sys.executable, "-m", "venv", str(VENV_DIR)], check=True)
+            python = _venv_python()
+            _pip(python, "install", TORCH_PIN)
+            constraints = VENV_DIR / "constraints.txt"
+            constraints.write_text(TORCH_PIN + "\n")
+            _pip(python, "install", "-c", str(constraints), "-r", str(requirements))
+            _pip(python, "install", "--no-deps", str(wheel))
+            done.write_text(stamp_text)
+    return _venv_python()
+
+
+def run_in_venv(python: Path, script: Path, *args: str, env: dict[str, str] | None = None):
+    """Run `script` with the test venv's Python, sparkple importable from this checkout."""
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = str(REPO)
+    full_env.update(env or {})
+    return subprocess.run(
+        [str(python), str(script), *args], capture_output=True, text=True, env=full_env
+    )

@@ -1,0 +1,239 @@
+"""The patch engine against the real vLLM 0.33.0 files from the PyPI wheel."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sparkple import patching
+from sparkple.cli import main
+from sparkple.errors import PatchError
+
+REPO = Path(__file__).resolve().parents[2]
+PROFILE = "vllm-0.33"
+PROFILE_DIR = REPO / "templates" / "vllm" / PROFILE
+TARGET = "models/qwen4_exp/nvidia/ngram_embedding.py"
+ADDED = "models/qwen4_exp/common/ple_mmap_embedding.py"
+
+
+@pytest.fixture
+def originals(vllm_originals: Path, tmp_path: Path) -> Path:
+    """A private, writable copy of the profile's originals."""
+    root = tmp_path / "originals"
+    for rel in patching.load_profile(PROFILE).originals:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(vllm_originals / rel, root / rel)
+    return root
+
+
+def repinned_profile(tmp_path: Path, originals: Path) -> Path:
+    """A copy of the profile whose pins match the (mutated) originals, to reach later checks."""
+    copy = tmp_path / "profile-copy"
+    shutil.copytree(PROFILE_DIR, copy)
+    data = yaml.safe_load((copy / "profile.yml").read_text())
+    for rel in data["originals"]:
+        data["originals"][rel] = patching.sha256_file(originals / rel)
+    (copy / "profile.yml").write_text(yaml.safe_dump(data, sort_keys=False))
+    return copy
+
+
+def test_pins_equal_the_wheel_files(vllm_originals: Path) -> None:
+    profile = patching.load_profile(PROFILE)
+    assert profile.vllm_version == "0.33.0"
+    assert set(profile.originals) >= {TARGET, "models/qwen4_exp/common/ngram_embedding.py"}
+    for rel, pinned in profile.originals.items():
+        assert patching.sha256_file(vllm_originals / rel) == pinned, rel
+
+
+def test_render_applies_every_edit_and_check_passes(originals: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    manifest = patching.render(PROFILE, originals, out)
+    patched = (out / TARGET).read_text()
+    original = (originals / TARGET).read_text()
+    for edit in patching.load_profile(PROFILE).edits[TARGET]:
+        assert patched.count(edit.anchor) == 1  # the anchor itself is kept
+    assert "Qwen4ExpPLEPackedTableEmbedding" in patched
+    assert patched.count(patching.PATCH_MARKER) == 3
+    # the edits only add lines
+    matcher = difflib.SequenceMatcher(a=original.splitlines(), b=patched.splitlines())
+    assert {op for op, *_ in matcher.get_opcodes()} == {"equal", "insert"}
+    on_disk = json.loads((out / patching.MANIFEST_NAME).read_text())
+    assert on_disk == json.loads(json.dumps(manifest))
+    entries = {entry["path"]: entry for entry in on_disk["files"]}
+    assert set(entries) == {TARGET, ADDED}
+    assert entries[TARGET]["original_sha256"] == patching.sha256_file(originals / TARGET)
+    assert entries[ADDED]["original_sha256"] is None
+    for rel, entry in entries.items():
+        assert entry["patched_sha256"] == patching.sha256_file(out / rel)
+        assert len(entry["template_sha256"]) == 64
+    assert on_disk["profile"] == PROFILE and on_disk["vllm_version"] == "0.33.0"
+    assert on_disk["variables"]["step_timeout_s"] == 300.0
+    assert set(on_disk["env"]) == {"VLLM_PLE_PACKED_TABLE_DIR", "VLLM_PLE_OFFLOAD_STEP_TIMEOUT"}
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "models"]
+    assert patching.check(out) == []
+    # no temporary directories left beside OUT
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["originals", "out"]
+
+
+def test_variables_are_rendered_and_validated(originals: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    patching.render(
+        PROFILE,
+        originals,
+        out,
+        {"spin_count": "10", "prefetch_policy": "never", "step_timeout_s": "42.5"},
+    )
+    added = (out / ADDED).read_text()
+    assert "SPIN_COUNT = 10\n" in added
+    assert 'PREFETCH_POLICY = "never"\n' in added
+    assert "DEFAULT_STEP_TIMEOUT_S = 42.5\n" in added
+    bad = {
+        "spin_count": "lots",
+        "staging_slots": "0",
+        "prefetch_policy": "sometimes",
+        "step_timeout_s": "-1",
+        "no_such_variable": "1",
+    }
+    for name, value in bad.items():
+        with pytest.raises(PatchError, match=name):
+            patching.render(PROFILE, originals, tmp_path / "never", {name: value})
+    assert not (tmp_path / "never").exists()
+
+
+def test_rendered_python_passes_ruff(originals: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    patching.render(PROFILE, originals, out)
+    ruff = [sys.executable, "-m", "ruff"]
+    config = ["--config", str(REPO / "pyproject.toml")]
+    added = str(out / ADDED)
+    subprocess.run([*ruff, "check", *config, added], check=True)
+    subprocess.run([*ruff, "format", "--check", *config, added], check=True)
+
+    # vLLM's own file follows vLLM's lint config: the edit must add no finding of its own.
+    def findings(path: Path) -> list[str]:
+        result = subprocess.run(
+            [*ruff, "check", *config, "--output-format", "json", "--exit-zero", str(path)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return sorted(item["code"] for item in json.loads(result.stdout))
+
+    assert findings(out / TARGET) == findings(originals / TARGET)
+
+
+def test_mutated_original_is_refused(originals: Path, tmp_path: Path) -> None:
+    target = originals / TARGET
+    pinned = patching.load_profile(PROFILE).originals[TARGET]
+    target.write_text(target.read_text().replace("Qwen4Exp", "Qwen4Exq", 1))
+    actual = patching.sha256_file(target)
+    out = tmp_path / "out"
+    with pytest.raises(PatchError) as info:
+        patching.render(PROFILE, originals, out)
+    message = str(info.value)
+    assert TARGET in message and pinned in message and actual in message
+    assert not out.exists()
+
+
+def test_duplicated_anchor_is_refused(originals: Path, tmp_path: Path) -> None:
+    target = originals / TARGET
+    anchor = patching.load_profile(PROFILE).edits[TARGET][1].anchor
+    target.write_text(target.read_text() + "\n\ndef twice(self):\n" + anchor)
+    profile = repinned_profile(tmp_path, originals)  # the pins pass; the anchor check must not
+    out = tmp_path / "out"
+    with pytest.raises(PatchError, match="occurs 2 times"):
+        patching.render(profile, originals, out)
+    assert not out.exists()
+
+
+def test_missing_anchor_is_refused(originals: Path, tmp_path: Path) -> None:
+    target = originals / TARGET
+    target.write_text(target.read_text().replace("from collections.abc import Iterable\n", ""))
+    profile = repinned_profile(tmp_path, originals)
+    with pytest.raises(PatchError, match="occurs 0 times"):
+        patching.render(profile, originals, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_already_patched_file_is_refused(originals: Path, tmp_path: Path) -> None:
+    first = tmp_path / "first"
+    patching.render(PROFILE, originals, first)
+    shutil.copyfile(first / TARGET, originals / TARGET)
+    out = tmp_path / "out"
+    with pytest.raises(PatchError, match="already carries the sparkple patch"):
+        patching.render(PROFILE, originals, out)
+    # even with pins that match the patched file, the marker refuses it
+    profile = repinned_profile(tmp_path, originals)
+    with pytest.raises(PatchError, match="already patched"):
+        patching.render(profile, originals, out)
+    assert not out.exists()
+
+
+def test_unparsable_result_is_refused(originals: Path, tmp_path: Path) -> None:
+    profile = repinned_profile(tmp_path, originals)
+    (profile / "edits" / "select_backend.py.j2").write_text("        # {{ marker }}\n    oops(\n")
+    with pytest.raises(PatchError, match="not valid Python"):
+        patching.render(profile, originals, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_refusal_keeps_an_earlier_render(
+    originals: Path, vllm_originals: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    patching.render(PROFILE, originals, out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    (originals / TARGET).write_text("# not vllm\n")
+    with pytest.raises(PatchError):
+        patching.render(PROFILE, originals, out)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    # a foreign, non-empty directory is never replaced
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "keep.txt").write_text("mine")
+    with pytest.raises(PatchError, match="not empty"):
+        patching.render(PROFILE, vllm_originals, foreign)
+    assert [p.name for p in foreign.iterdir()] == ["keep.txt"]
+
+
+def test_check_catches_modified_missing_and_extra_files(originals: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    patching.render(PROFILE, originals, out)
+    with (out / ADDED).open("a") as handle:
+        handle.write("# local change\n")
+    problems = patching.check(out)
+    assert len(problems) == 1 and ADDED in problems[0]
+    (out / TARGET).unlink()
+    (out / "stray.py").write_text("")
+    problems = patching.check(out)
+    assert any(TARGET in p and "missing" in p for p in problems)
+    assert any("stray.py" in p for p in problems)
+    (out / patching.MANIFEST_NAME).unlink()
+    assert patching.check(out)
+
+
+def test_cli_exit_codes(originals: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out"
+    args = ["patch", "render", "--profile", PROFILE, "--originals", str(originals)]
+    assert main([*args, "--out", str(out), "--var", "staging_slots=3"]) == 0
+    assert "STAGING_SLOTS = 3\n" in (out / ADDED).read_text()
+    assert main(["patch", "check", str(out)]) == 0
+    (out / TARGET).write_text((out / TARGET).read_text() + "\n")
+    assert main(["patch", "check", str(out)]) == 1
+    assert TARGET in capsys.readouterr().out
+    (originals / TARGET).write_text("x = 1\n")
+    assert main([*args, "--out", str(tmp_path / "refused")]) == 1
+    assert "does not match the pinned" in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()
+    assert main([*args, "--out", str(tmp_path / "o2"), "--var", "spin_count"]) == 1
+    assert main([*args, "--out", str(tmp_path / "o3"), "--profile", "vllm-9.99"]) == 1
+    with pytest.raises(SystemExit) as usage:
+        main(["patch", "render", "--profile", PROFILE])
+    assert usage.value.code == 2
