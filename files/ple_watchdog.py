@@ -7,7 +7,7 @@ reads /proc/meminfo; a sample is bad when
   - MemAvailable is below the floor, or
   - MemFree is below its floor while MemAvailable is below the gate (MemFree alone is low on a
     healthy host whose page cache is full; it only matters once MemAvailable is short too).
-After `debounce` consecutive bad samples it trips, if the service is running: it records an
+After `debounce` consecutive bad samples taken while the service runs it trips: it records an
 emergency marker, archives the container's log, stops the container with a grace period (a
 SIGKILL leaks POSIX shared memory under --ipc host), and sends an alert.
 """
@@ -92,6 +92,7 @@ class Watchdog:
         self.samples = 0
         self.last_state_write = 0.0
         self.started = time.time()
+        self.idle_noted = False
 
     def reasons(self, avail: int, free: int) -> list[str]:
         found = []
@@ -110,16 +111,26 @@ class Watchdog:
         avail, free = mem["MemAvailable"], mem["MemFree"]
         reasons = self.reasons(avail, free)
         self.samples += 1
-        if reasons:
+        # Only samples taken while the service runs count: a stop is what a trip buys, and a
+        # service relaunched into low memory gets the full debounce before it is stopped again.
+        # The check costs a process start, so it runs only while memory is short.
+        if reasons and self.service_running():
             reading = {"time": now, "mem_available_bytes": avail, "mem_free_bytes": free}
             self.recent.append({**reading, "reasons": reasons})
+            self.idle_noted = False
         else:
             self.recent.clear()
+            if reasons and not self.idle_noted:
+                log(f"below the floor ({'; '.join(reasons)}) but the service is not running")
+                self.idle_noted = True
         if len(self.recent) >= self.args.debounce:
             self.trip(now, avail, free)
             self.recent.clear()
         if reasons or now - self.last_state_write >= 10 * self.args.interval_s:
             self.write_state(now, avail, free)
+
+    def service_running(self) -> bool:
+        return run_command(self.args.running_cmd, self.values, timeout_s=30).ok
 
     def write_state(self, now: float, avail: int, free: int) -> None:
         self.last_state_write = now
@@ -148,10 +159,6 @@ class Watchdog:
         args = self.args
         readings = list(self.recent)
         reason = "; ".join(readings[-1]["reasons"])
-        running = run_command(args.running_cmd, self.values, timeout_s=30)
-        if not running.ok:
-            log(f"below the floor ({reason}) but the service is not running; nothing to stop")
-            return
         self.trips += 1
         log(f"EMERGENCY after {len(readings)} samples: {reason}; stopping {args.container}")
         payload: dict[str, Any] = {

@@ -78,6 +78,9 @@ def test_relaunch_with_backoff_until_the_breaker_opens_then_reset(tmp_path, stan
         expected = BASE * 2**n
         assert expected <= r["waited_s"] < expected + 1.0, f"backoff {n}: {r}"
     assert events(state, "launch-failed") == [], "emergency stops are not launch failures"
+    for marker, relaunch in zip(emergencies[1:], relaunches, strict=True):
+        # a relaunched service gets the whole debounce: no sample from while it was down counts
+        assert marker["readings"][0]["time"] >= relaunch["time"]
     assert len(events(state, "breaker-open")[0]["incidents"]) == 3
 
     # The breaker latches: nothing relaunches the service while it is open.

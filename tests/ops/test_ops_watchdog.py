@@ -144,7 +144,7 @@ def test_no_marker_when_the_service_is_not_running(tmp_path, procs):
             f"touch {tmp_path / 'stopped'}",
         )  # fmt: skip
     )
-    wait_for(lambda: "nothing to stop" in output(wd), 10, "the watchdog to notice")
+    wait_for(lambda: "service is not running" in output(wd), 10, "the watchdog to notice")
     assert markers(state, "emergency") == []
     assert not (tmp_path / "stopped").exists()
     status = read_json(state / "watchdog.json")
