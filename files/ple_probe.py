@@ -73,8 +73,11 @@ def check_generation(client: Client, model: str, timeout_s: float) -> tuple[bool
         code, models = client.request("/v1/models", None, timeout_s)
         if code == 200 and isinstance(models, dict) and models.get("data"):
             model = str(models["data"][0].get("id", ""))
-    body: dict[str, Any] = {"prompt": "The capital of France is", "max_tokens": 16}
-    body["temperature"] = 0
+    body: dict[str, Any] = {
+        "prompt": "The capital of France is",
+        "max_tokens": 16,
+        "temperature": 0,
+    }
     if model:
         body["model"] = model
     started = time.monotonic()
