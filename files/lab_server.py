@@ -207,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--served-model-name", default=None)
     args, ignored = parser.parse_known_args(argv)
+    # PID 1 in a container ignores SIGTERM unless it handles it: `docker stop` must stop us,
+    # also while the table is being opened
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     state = State()
     state.model = args.served_model_name or args.model
     print(f"lab_server: a stand-in for vLLM; ignoring vLLM flags {ignored}", flush=True)
@@ -222,8 +225,6 @@ def main(argv: list[str] | None = None) -> int:
         state.problem = f"{type(exc).__name__}: {exc}"
         print(f"lab_server: not healthy: {state.problem}", file=sys.stderr, flush=True)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(state))
-    # PID 1 in a container ignores SIGTERM unless it handles it: `docker stop` must stop us
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"lab_server: listening on {args.host}:{args.port}", flush=True)
     server.serve_forever()
     return 0
