@@ -23,7 +23,9 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--pause", type=float, default=0.05)
     args = p.parse_args()
-    body = json.dumps({"model": "Qwen/Qwen3.8-Flash-Next", "prompt": "hello fleet", "max_tokens": 4}).encode()
+    body = json.dumps(
+        {"model": "Qwen/Qwen3.8-Flash-Next", "prompt": "hello fleet", "max_tokens": 4}
+    ).encode()
     ok, failures, per_server = 0, [], {}
     start = time.monotonic()
     sent = 0
@@ -31,7 +33,9 @@ def main() -> int:
         if os.path.exists(args.stop_file):
             break
         sent += 1
-        req = urllib.request.Request(args.url, data=body, headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            args.url, data=body, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=30) as resp:
                 answer = json.loads(resp.read())

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """sparkple-gateway: drain, ready and show the Sparks behind HAProxy, through its admin socket.
 
-  sparkple-gateway show                   one JSON object per server of the backend
-  sparkple-gateway drain HOST [--timeout S]  no new requests, wait for the running ones, then maintenance
-  sparkple-gateway ready HOST [--timeout S]  back into the pool, wait until the health checks pass
+  sparkple-gateway show                      one JSON object per server of the backend
+  sparkple-gateway drain HOST [--timeout S]  no new requests, wait for the running ones, then MAINT
+  sparkple-gateway ready HOST [--timeout S]  back into the pool, wait until the checks say UP
 
 Exit status: 0 done, 1 the server did not reach the state in time, 2 bad usage or no such server.
 """
@@ -17,6 +17,8 @@ import json
 import socket
 import sys
 import time
+
+ERR = sys.stderr
 
 
 def command(sock_path: str, line: str) -> str:
@@ -41,7 +43,18 @@ def servers(sock_path: str, backend: str) -> dict[str, dict[str, str]]:
 
 
 def summary(row: dict[str, str]) -> dict[str, object]:
-    counters = ("scur", "qcur", "stot", "econ", "eresp", "wretr", "wredis", "chkdown", "hrsp_2xx", "hrsp_5xx")
+    counters = (
+        "scur",
+        "qcur",
+        "stot",
+        "econ",
+        "eresp",
+        "wretr",
+        "wredis",
+        "chkdown",
+        "hrsp_2xx",
+        "hrsp_5xx",
+    )
     out: dict[str, object] = {"server": row["svname"], "status": row["status"]}
     out.update({k: int(row.get(k) or 0) for k in counters})
     return out
@@ -69,26 +82,45 @@ def main(argv: list[str] | None = None) -> int:
     try:
         table = servers(args.socket, args.backend)
     except OSError as exc:
-        print(f"sparkple-gateway: cannot read {args.socket}: {exc}; is haproxy running?", file=sys.stderr)
+        print(
+            f"sparkple-gateway: cannot read {args.socket}: {exc}; is haproxy running?",
+            file=ERR,
+        )
         return 2
     if args.action == "show":
         print(json.dumps([summary(r) for r in table.values()]))
         return 0
     if args.host not in table:
-        print(f"sparkple-gateway: {args.host!r} is not a server of {args.backend} ({sorted(table)})", file=sys.stderr)
+        print(
+            f"sparkple-gateway: {args.host!r} is not a server of {args.backend} ({sorted(table)})",
+            file=ERR,
+        )
         return 2
     target = f"{args.backend}/{args.host}"
     try:
         if args.action == "drain":
             command(args.socket, f"set server {target} state drain")
-            wait_for(args.socket, args.backend, args.host, lambda r: r["scur"] == 0 and r["qcur"] == 0, args.timeout)
+            wait_for(
+                args.socket,
+                args.backend,
+                args.host,
+                lambda r: r["scur"] == 0 and r["qcur"] == 0,
+                args.timeout,
+            )
             command(args.socket, f"set server {target} state maint")
-            row = wait_for(args.socket, args.backend, args.host, lambda r: r["status"].startswith("MAINT"), 10)
+            row = wait_for(
+                args.socket, args.backend, args.host, lambda r: r["status"].startswith("MAINT"), 10
+            )
         else:
             command(args.socket, f"set server {target} state ready")
-            row = wait_for(args.socket, args.backend, args.host, lambda r: r["status"] == "UP", args.timeout)
+            row = wait_for(
+                args.socket, args.backend, args.host, lambda r: r["status"] == "UP", args.timeout
+            )
     except TimeoutError as exc:
-        print(f"sparkple-gateway: {target} did not {args.action} within {args.timeout:.0f} s: {exc}", file=sys.stderr)
+        print(
+            f"sparkple-gateway: {target} did not {args.action} within {args.timeout:.0f} s: {exc}",
+            file=ERR,
+        )
         return 1
     print(json.dumps(row))
     return 0
