@@ -14,7 +14,7 @@ import re
 import subprocess
 import sys
 
-OUT = re.compile(r"^Server (\S+)/(\S+) (is DOWN|.*enters maintenance|is going DOWN for maintenance)")
+OUT = re.compile(r"^Server (\S+)/(\S+) (is DOWN|.*enters maintenance|is going DOWN for maint)")
 UP = re.compile(r"^Server (\S+)/(\S+) is UP")
 REQUEST = re.compile(r"^sparkple-gateway (\S+) (\S+)/(\S+) (-?\d+) (\S+) (\d+) ")
 
