@@ -5,6 +5,11 @@ party, so it works between threads and between processes). The producer publishe
 only after its rows are in the staging buffer; the consumer waits until the flag reaches
 `seq`. GB10 has no CUDA stream-memory-op semaphores, so this replaces them on the host.
 
+The waiter polls briefly, then sleeps in short futex waits on the flag's word, which the
+publisher wakes right after each publish: a kernel wakeup is as fast as a pipe's even on a
+busy host (where a polling or time-sleeping waiter loses whole scheduler slices), costs no
+CPU while idle, and releases the GIL, so a producer thread in the same process runs freely.
+
 Sequence numbers start at 1 and only move forward: publishing a seq that is not above the
 flag, or waiting twice for the same seq, is a protocol error (HandshakeError), never a hang.
 Next to the flag the header records who the producer is (pid, thread id, start time), so a
@@ -14,6 +19,7 @@ instead of waiting out its timeout.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import tempfile
@@ -30,9 +36,9 @@ _MAGIC_VALUE = 0x53504B4C53455131  # "SPKLSEQ1"
 _STATE_NONE, _STATE_LIVE, _STATE_CLOSED = 0, 1, 2
 
 DEFAULT_TIMEOUT_S = 300.0
-DEFAULT_SPIN_S = 0.0005  # busy-poll this long before sleeping: most steps finish sooner
-_SLEEP_MIN_S = 0.00002
-_SLEEP_MAX_S = 0.0005
+DEFAULT_SPIN_S = 0.00005  # poll this long first when the producer is another process
+_SLEEP_STEP_S = 0.01  # futex wait per step; a publish ends it at once
+_POLL_STEP_S = 0.0002  # sleep per step where futexes are unavailable
 _LIVENESS_EVERY_S = 0.05
 
 _SHM_DIR = "/dev/shm"
@@ -68,6 +74,39 @@ def _task_identity(pid: int, tid: int) -> int | None:
     return int(rest[19])
 
 
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _Futex:
+    """FUTEX_WAIT / FUTEX_WAKE on a 32-bit word of a shared mapping (not process-private)."""
+
+    _NR = {"x86_64": 202, "aarch64": 98}
+    _WAIT, _WAKE = 0, 1
+
+    def __init__(self) -> None:
+        self.nr = self._NR.get(os.uname().machine, -1)
+        self._syscall = ctypes.CDLL(None, use_errno=True).syscall
+        self._syscall.restype = ctypes.c_long
+
+    @property
+    def usable(self) -> bool:
+        return self.nr >= 0
+
+    def wait(self, address: int, expected: int, timeout_s: float) -> None:
+        """Sleep until woken or timeout_s passes, unless the word no longer holds expected."""
+        ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
+        # The GIL is released for the call (ctypes.CDLL): other threads run meanwhile.
+        self._syscall(self.nr, ctypes.c_void_p(address), self._WAIT,
+                      ctypes.c_uint32(expected), ctypes.byref(ts), None, 0)  # fmt: skip
+
+    def wake_all(self, address: int) -> None:
+        self._syscall(self.nr, ctypes.c_void_p(address), self._WAKE, 0x7FFFFFFF, None, None, 0)
+
+
+_FUTEX = _Futex()
+
+
 class SeqFlag:
     """One int64 sequence flag (plus a small producer header) in shared memory.
 
@@ -89,6 +128,9 @@ class SeqFlag:
         finally:
             os.close(fd)
         self._slots = memoryview(self._mm).cast("q")
+        anchor = ctypes.c_char.from_buffer(self._mm)
+        self._address = ctypes.addressof(anchor)  # the seq's low 32 bits: the futex word
+        del anchor  # keep no export alive, or the mapping could not be closed
         if self._slots[_MAGIC] != _MAGIC_VALUE:
             self.close()
             raise HandshakeError(f"{path} is not a sparkple sequence flag (bad magic)")
@@ -173,20 +215,30 @@ class Publisher:
             )
         _ordering_fence()
         self.flag._set(_SEQ, seq)
+        if _FUTEX.usable:
+            _FUTEX.wake_all(self.flag._address)
 
     def close(self) -> None:
         """Tell waiters that nothing more will be published (they get ProducerDied)."""
         self.flag._set(_STATE, _STATE_CLOSED)
+        if _FUTEX.usable:
+            _FUTEX.wake_all(self.flag._address)
 
 
 class Waiter:
-    """The consumer side: `wait(seq)` returns once the flag has reached `seq`."""
+    """The consumer side: `wait(seq)` returns once the flag has reached `seq`.
+
+    It polls for `spin_s` (default: 50 us when the producer is another process, none when it
+    is a thread of this one, which needs the CPU and the GIL), then sleeps in futex waits of
+    at most 10 ms that the publisher cuts short, checking every `liveness_every_s` that the
+    producer is still there.
+    """
 
     def __init__(
         self,
         flag: SeqFlag,
         *,
-        spin_s: float = DEFAULT_SPIN_S,
+        spin_s: float | None = None,
         liveness_every_s: float = _LIVENESS_EVERY_S,
     ) -> None:
         self.flag = flag
@@ -208,17 +260,19 @@ class Waiter:
 
     def _wait(self, seq: int, timeout_s: float) -> int:
         slots = self.flag._slots
+        value = slots[_SEQ]
+        if value >= seq:
+            return value
         start = time.perf_counter()
-        spin_until = start + self.spin_s
-        while True:
+        deadline = start + timeout_s
+        spin_s = self.spin_s
+        if spin_s is None:
+            spin_s = 0.0 if self.flag._get(_PID) == os.getpid() else DEFAULT_SPIN_S
+        while time.perf_counter() - start < spin_s:
             value = slots[_SEQ]
             if value >= seq:
                 return value
-            if time.perf_counter() >= spin_until:
-                break
-        deadline = start + timeout_s
-        next_check = start
-        step = _SLEEP_MIN_S
+        next_check = start + self.liveness_every_s
         while True:
             value = slots[_SEQ]
             if value >= seq:
@@ -229,8 +283,11 @@ class Waiter:
                 next_check = now + self.liveness_every_s
             if now >= deadline:
                 raise HandshakeTimeout(seq, value, now - start)
-            time.sleep(min(step, max(0.0, deadline - now)))
-            step = min(step * 2, _SLEEP_MAX_S)
+            pause = min(next_check, deadline) - now
+            if _FUTEX.usable:
+                _FUTEX.wait(self.flag._address, value & 0xFFFFFFFF, min(pause, _SLEEP_STEP_S))
+            else:
+                time.sleep(min(pause, _POLL_STEP_S))
 
     def _check_producer(self, seq: int) -> None:
         flag = self.flag

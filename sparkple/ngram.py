@@ -10,7 +10,7 @@ Tokens past query_start_loc[-1] (padding) continue the last request, as in vLLM.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,15 +20,18 @@ if TYPE_CHECKING:
     import torch
 
 
-def _check_layout(
-    num_tokens: int, qsl_first: int, qsl_last: int, num_reqs: int, ctx_shape: tuple, context: int
-) -> None:
+def _check_layout(num_tokens: int, qsl: list[int], ctx_shape: tuple, context: int) -> None:
+    """Refuse a request layout the hash would silently misread."""
+    num_reqs = len(qsl) - 1
     if num_reqs < 1:
         raise ValueError("query_start_loc needs at least two entries (one request)")
-    if qsl_first != 0 or qsl_last > num_tokens:
+    if (
+        qsl[0] != 0
+        or qsl[-1] > num_tokens
+        or any(b < a for a, b in zip(qsl, qsl[1:], strict=False))
+    ):
         raise ValueError(
-            f"query_start_loc must start at 0 and end at most at {num_tokens} tokens, "
-            f"got {qsl_first}..{qsl_last}"
+            f"query_start_loc must rise from 0 to at most {num_tokens} tokens, got {qsl[:8]}..."
         )
     if len(ctx_shape) != 2 or ctx_shape[0] < num_reqs or ctx_shape[1] != context:
         raise ValueError(f"ngram_context must be [>= {num_reqs}, {context}], got {list(ctx_shape)}")
@@ -53,9 +56,7 @@ def row_ids(
     ctx = np.asarray(ngram_context, dtype=np.int64)
     n, t, r = geometry.ngram_size, ids.shape[0], qsl.shape[0] - 1
     c = n - 1
-    _check_layout(
-        t, int(qsl[0]) if qsl.size else 0, int(qsl[-1]) if qsl.size else 0, r, ctx.shape, c
-    )
+    _check_layout(t, qsl.tolist(), ctx.shape, c)
     req, tok_pos = _flat_layout(qsl, t, c)
     # One array: request r's context, then its tokens, then request r+1's context, ...
     flat = np.empty(t + c * r, dtype=np.int64)
@@ -106,14 +107,9 @@ def row_ids_torch(
     ctx = ngram_context.long().to(dev)
     n, t, r = geometry.ngram_size, ids.shape[0], qsl.shape[0] - 1
     c = n - 1
-    _check_layout(
-        t,
-        int(qsl[0]) if qsl.numel() else 0,
-        int(qsl[-1]) if qsl.numel() else 0,
-        r,
-        tuple(ctx.shape),
-        c,
-    )
+    # On a GPU, reading query_start_loc back would stall the stream: check shapes only.
+    qsl_host = qsl.tolist() if dev.type == "cpu" else [0] * max(1, qsl.shape[0])
+    _check_layout(t, qsl_host, tuple(ctx.shape), c)
     positions = torch.arange(t, dtype=torch.int64, device=dev)
     req = torch.searchsorted(qsl[1:-1].contiguous(), positions, right=True)
     tok_pos = positions + c * (req + 1)
@@ -140,10 +136,3 @@ def row_ids_torch(
         heads = slice((order - 2) * hp, (order - 1) * hp)
         out[:, heads] = torch.remainder(x[:, None], sizes[heads]) + offsets[heads]
     return out
-
-
-def row_ids_any(input_ids: Any, query_start_loc: Any, ngram_context: Any, g: PLEGeometry) -> Any:
-    """row_ids for numpy inputs, row_ids_torch for torch tensors."""
-    if isinstance(input_ids, np.ndarray):
-        return row_ids(input_ids, query_start_loc, ngram_context, g)
-    return row_ids_torch(input_ids, query_start_loc, ngram_context, g)

@@ -66,17 +66,25 @@ def float32_to_e4m3(values: np.ndarray) -> np.ndarray:
     return np.where((v < 0) & (code != 0), code | 0x80, code).astype(np.uint8)
 
 
-def quantize_rows(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+def global_scale_for(amax: float) -> float:
+    """ModelOpt's weight_scale_2 for a tensor whose largest magnitude is amax (FP32)."""
+    return float(np.float32(amax / (E2M1_MAX * E4M3_MAX))) if amax > 0 else 1.0
+
+
+def quantize_rows(
+    values: np.ndarray, global_scale: float | None = None
+) -> tuple[np.ndarray, np.ndarray, float]:
     """ModelOpt NVFP4 quantization of float rows [N, head_dim].
 
     Returns (codes u8[N, head_dim/2], scales u8[N, head_dim/16] as E4M3 bytes, weight_scale_2).
+    weight_scale_2 comes from the rows' amax unless given (to quantize a tensor in batches).
     """
     x = np.asarray(values, dtype=np.float32)
     n, dim = x.shape
     if dim % BLOCK:
         raise ValueError(f"head_dim {dim} is not a multiple of {BLOCK}")
-    amax = float(np.max(np.abs(x))) if x.size else 0.0
-    global_scale = float(np.float32(amax / (E2M1_MAX * E4M3_MAX))) if amax > 0 else 1.0
+    if global_scale is None:
+        global_scale = global_scale_for(float(np.max(np.abs(x))) if x.size else 0.0)
     blocks = x.reshape(n, dim // BLOCK, BLOCK)
     block_amax = np.abs(blocks).max(axis=2)
     scales = float32_to_e4m3(block_amax / np.float32(E2M1_MAX * global_scale))

@@ -35,8 +35,9 @@ PAGE_SIZE = mmap.PAGESIZE
 MECHANISMS = ("process_madvise", "fadvise", "madvise")
 _IOV_MAX = 1024  # UIO_MAXIOV: the most ranges one process_madvise call accepts
 _POOL_MIN_PAGES = 4096  # below this, one thread issues faster than it hands out work
-_SYS_PIDFD_OPEN = {"x86_64": 434, "aarch64": 434}
-_SYS_PROCESS_MADVISE = {"x86_64": 440, "aarch64": 440}
+# Syscalls added since Linux 5.1 have one number on every architecture.
+_SYS_PIDFD_OPEN = 434
+_SYS_PROCESS_MADVISE = 440
 
 
 class MappedTable(Protocol):
@@ -99,13 +100,12 @@ class _ProcessMadvise:
     """MADV_WILLNEED over many ranges per call, on this process's own mappings."""
 
     def __init__(self) -> None:
-        machine = os.uname().machine
-        if machine not in _SYS_PROCESS_MADVISE:
-            raise OSError(errno.ENOSYS, f"no process_madvise syscall number for {machine}")
+        if os.uname().sysname != "Linux":
+            raise OSError(errno.ENOSYS, "process_madvise is Linux-only")
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._libc.syscall.restype = ctypes.c_long
-        self._nr = _SYS_PROCESS_MADVISE[machine]
-        self._nr_pidfd = _SYS_PIDFD_OPEN[machine]
+        self._nr = _SYS_PROCESS_MADVISE
+        self._nr_pidfd = _SYS_PIDFD_OPEN
         self._pid = -1
         self._pidfd = -1
         self._lock = threading.Lock()

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .geometry import PLEGeometry, RowFormat
-from .nvfp4 import E4M3_MAX, float32_to_e4m3, quantize_rows
+from .nvfp4 import E4M3_MAX, float32_to_e4m3, global_scale_for, quantize_rows
 
 REAL_VOCAB_SIZE = 248_320
 REAL_EOS = 248_044
@@ -83,19 +83,24 @@ class _RowSource:
         rng = np.random.default_rng(seed)
         values = rng.standard_normal((pool_rows, head_dim), dtype=np.float32)
         # Vary the block magnitudes so scales span normal and subnormal E4M3 values.
-        values *= (
-            np.exp2(rng.integers(-12, 3, size=(pool_rows, head_dim // 16, 1)))
-            .repeat(16, axis=2)
-            .reshape(pool_rows, head_dim)
-            .astype(np.float32)
-        )
+        exponents = rng.integers(-12, 3, size=(pool_rows, head_dim // 16, 1))
+        values.reshape(pool_rows, head_dim // 16, 16)[...] *= np.exp2(exponents, dtype=np.float32)
+        amax = float(np.max(np.abs(values)))
+        width = head_dim // 2 + head_dim // 16 if quant == "nvfp4" else head_dim
+        self.pool = np.empty((pool_rows, width), dtype=np.uint8)
         if quant == "nvfp4":
-            codes, scales, self.global_scale = quantize_rows(values)
-            self.pool = np.concatenate([codes, scales], axis=1)
+            self.global_scale = global_scale_for(amax)
         else:
-            amax = float(np.max(np.abs(values)))
             self.global_scale = float(np.float32(amax / E4M3_MAX))
-            self.pool = float32_to_e4m3(values / np.float32(self.global_scale))
+        for start in range(0, pool_rows, 4096):  # batches keep the temporaries small
+            part = values[start : start + 4096]
+            if quant == "nvfp4":
+                codes, scales, _ = quantize_rows(part, self.global_scale)
+                self.pool[start : start + len(part)] = np.concatenate([codes, scales], axis=1)
+            else:
+                self.pool[start : start + len(part)] = float32_to_e4m3(
+                    part / np.float32(self.global_scale)
+                )
 
 
 # A tensor to write: name, safetensors dtype, shape, and a writer of its bytes in chunks.

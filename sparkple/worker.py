@@ -110,7 +110,8 @@ class GatherWorker:
         else:
             self.prefetcher = Prefetcher(table) if prefetch else None
         self._flag = SeqFlag.create()
-        self._waiter = Waiter(self._flag) if spin_s is None else Waiter(self._flag, spin_s=spin_s)
+        self._flag.unlink()  # used in this process only: nothing is left behind if it dies
+        self._waiter = Waiter(self._flag, spin_s=spin_s)
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Condition()
         self._free = list(range(slots))
@@ -153,10 +154,10 @@ class GatherWorker:
             raise ValueError(f"row ids must be {want}, got {list(ids.shape)}")
         self._enqueue(seq, ids.shape[0], timeout_s, row_ids=ids)
 
-    def _enqueue(self, seq: int, tokens: int, timeout_s: float, **work: Any) -> None:
-        if tokens > self.max_tokens:
+    def _enqueue(self, seq: int, count: int, timeout_s: float, **work: Any) -> None:
+        if count > self.max_tokens:
             raise ValueError(
-                f"step {seq} has {tokens} tokens, the staging holds {self.max_tokens}: "
+                f"step {seq} has {count} tokens, the staging holds {self.max_tokens}: "
                 "raise max_tokens to the scheduler's max_num_batched_tokens"
             )
         with self._lock:

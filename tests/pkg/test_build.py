@@ -22,7 +22,7 @@ from sparkple.geometry import PLEGeometry
 from sparkple.synth import synth_checkpoint
 from sparkple.tablemeta import META_NAME, read_meta
 
-from .conftest import ROOT, run_cli
+from .conftest import ROOT, cli, run_cli
 
 EMB = "model.language_model.layers.1.ple.ple_embedding.ngram_embedding"
 
@@ -95,9 +95,9 @@ def test_metadata_contents(snapshots, tmp_path):
 
 def test_up_to_date_rerun_is_a_noop(snapshots, tmp_path):
     snap = snapshots("nvfp4", files=3)
-    assert run_cli("build-table", snap, tmp_path / "t").returncode == 0
+    assert cli("build-table", snap, tmp_path / "t").returncode == 0
     before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "t").iterdir()}
-    res = run_cli("build-table", snap, tmp_path / "t")
+    res = cli("build-table", snap, tmp_path / "t")
     assert res.returncode == 0 and "up to date" in res.stdout
     assert before == {p.name: p.stat().st_mtime_ns for p in (tmp_path / "t").iterdir()}
 
@@ -107,11 +107,11 @@ def test_stale_table_is_refused_then_forced(snapshots, tmp_path):
     build_table(snapshots("nvfp4", files=3), out, quiet=True)
     old = read_meta(out)
     other = snapshots("nvfp4-seed9", files=3, seed=9)
-    res = run_cli("build-table", other, out)
+    res = cli("build-table", other, out)
     assert res.returncode == 1
     assert "--force" in res.stderr and "global_scale" in res.stderr
     assert read_meta(out) == old
-    res = run_cli("build-table", other, out, "--force")
+    res = cli("build-table", other, out, "--force")
     assert res.returncode == 0, res.stderr
     new = read_meta(out)
     assert new.data_file != old.data_file and not (out / old.data_file).exists()
@@ -138,19 +138,19 @@ def test_builder_imports_only_stdlib_and_numpy(snapshots, tmp_path):
 
 def test_inspect_and_verify_cli(snapshots, tmp_path):
     snap, out = snapshots("nvfp4", files=3), tmp_path / "t"
-    res = run_cli("inspect-table", out, "--json")
+    res = cli("inspect-table", out, "--json")
     assert res.returncode == 1 and json.loads(res.stdout)["healthy"] is False
-    assert run_cli("build-table", snap, out).returncode == 0
-    res = run_cli("inspect-table", out, "--json")
+    assert cli("build-table", snap, out).returncode == 0
+    res = cli("inspect-table", out, "--json")
     info = json.loads(res.stdout)
     assert res.returncode == 0 and info["healthy"] is True
     assert Path(info["data_path"]).is_absolute() and Path(info["data_path"]).is_file()
     assert info["meta_path"] == str((out / META_NAME).resolve())
     assert info["total_rows"] * info["row_width"] == Path(info["data_path"]).stat().st_size
-    text = run_cli("inspect-table", out)
+    text = cli("inspect-table", out)
     assert text.returncode == 0 and "nvfp4" in text.stdout
-    assert run_cli("verify-table", snap, out, "--full").returncode == 0
-    assert run_cli("verify-table", snap, out, "--sample", "50").returncode == 0
+    assert cli("verify-table", snap, out, "--full").returncode == 0
+    assert cli("verify-table", snap, out, "--sample", "50").returncode == 0
     # flip one byte in the middle of the data file: a full verify finds it
     data = Path(info["data_path"])
     with open(data, "r+b") as f:
@@ -158,21 +158,21 @@ def test_inspect_and_verify_cli(snapshots, tmp_path):
         b = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 0xFF]))
-    res = run_cli("verify-table", snap, out, "--full")
+    res = cli("verify-table", snap, out, "--full")
     assert res.returncode == 1 and "differ" in res.stderr
     # a data file of the wrong size is not a published table
     with open(data, "ab") as f:
         f.write(b"\0")
-    assert run_cli("inspect-table", out, "--json").returncode == 1
+    assert cli("inspect-table", out, "--json").returncode == 1
     with pytest.raises(TableError, match="bytes"):
         read_meta(out)
 
 
 def test_usage_errors_exit_2(tmp_path):
-    assert run_cli("build-table", tmp_path / "nope", tmp_path / "t").returncode == 2
-    assert run_cli("build-table").returncode == 2
+    assert cli("build-table", tmp_path / "nope", tmp_path / "t").returncode == 2
+    assert cli("build-table").returncode == 2
     (tmp_path / "file").write_text("x")
-    assert run_cli("build-table", tmp_path, tmp_path / "file").returncode == 2
+    assert cli("build-table", tmp_path, tmp_path / "file").returncode == 2
     assert not (tmp_path / "t").exists()
 
 
@@ -234,6 +234,12 @@ def _rewrite_header(snap: Path, tensor: str, **changes) -> None:
     path.write_bytes(raw[:8] + new + b" " * (n - len(new)) + raw[8 + n :])
 
 
+def _patch_bytes(path: Path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
 def _first_file(snap: Path) -> Path:
     return sorted(snap.glob("*.safetensors"))[0]
 
@@ -274,6 +280,22 @@ BAD = {
         lambda s: _first_file(s).write_bytes(b"\x10\0\0\0\0\0\0\0{{{{{{{{{{{{{{{{"),
         "not valid JSON",
     ),
+    "unknown dtype": (
+        lambda s: _rewrite_header(s, f"{EMB}.shard_40.weight", dtype="F4"),
+        "shard_40.weight'.*unknown dtype",
+    ),
+    "byte span": (
+        lambda s: _rewrite_header(s, f"{EMB}.shard_41.weight", shape=[1, 80]),
+        "shard_41.weight'.*needs 80",
+    ),
+    "overlap": (
+        lambda s: _rewrite_header(s, f"{EMB}.shard_42.weight", data_offsets=[0, 132 * 80]),
+        "overlap",
+    ),
+    "absurd header": (
+        lambda s: _patch_bytes(_first_file(s), 0, (1 << 40).to_bytes(8, "little")),
+        "absurdly large",
+    ),
     "eos list": (
         lambda s: _edit_config(s, lambda c: c.update(eos_token_id=[1, 2])),
         "eos_token_id",
@@ -287,12 +309,12 @@ def test_bad_input_is_refused_and_writes_nothing(snapshots, tmp_path, case):
     shutil.copytree(snapshots("nvfp4", files=3), snap)
     breaker, message = BAD[case]
     breaker(snap)
-    res = run_cli("build-table", snap, tmp_path / "t")
+    res = cli("build-table", snap, tmp_path / "t")
     assert res.returncode == 1, res.stderr
     import re
 
     assert re.search(message, res.stderr), res.stderr
-    assert "nothing was published" in res.stderr
+    assert "nothing new was published" in res.stderr
     assert not (tmp_path / "t").exists()
 
 
@@ -357,9 +379,36 @@ def test_leftovers_of_a_killed_build_are_cleaned(snapshots, tmp_path):
     (out / ".tmp-rows-x.bin").write_bytes(b"\0" * 100)
     (out / ".tmp-x-table.json").write_text("{}")
     (out / "rows-orphan.bin").write_bytes(b"\0" * 100)
-    res = run_cli("build-table", snap, out)
+    res = cli("build-table", snap, out)
     assert res.returncode == 0 and "leftovers" in res.stderr
     meta = read_meta(out)
     assert sorted(p.name for p in out.iterdir()) == sorted(
         [".build.lock", META_NAME, meta.data_file]
     )
+
+
+def test_a_failed_write_removes_its_temporary_files(snapshots, tmp_path):
+    """The kernel refuses writes past RLIMIT_FSIZE (EFBIG): the build fails cleanly."""
+    import resource
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+
+    out = tmp_path / "t"
+    res = run_cli("build-table", snapshots("nvfp4", files=3), out, preexec_fn=limit_file_size)
+    assert res.returncode == 1
+    assert "cannot write the table" in res.stderr and "nothing new was published" in res.stderr
+    assert [p.name for p in out.iterdir()] == [".build.lock"]
+
+
+def test_a_second_concurrent_build_is_refused(snapshots, tmp_path):
+    import fcntl
+
+    out = tmp_path / "t"
+    out.mkdir()
+    with open(out / ".build.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        res = cli("build-table", snapshots("nvfp4", files=3), out)
+    assert res.returncode == 1 and "another build" in res.stderr
+    assert [p.name for p in out.iterdir()] == [".build.lock"]

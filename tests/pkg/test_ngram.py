@@ -123,6 +123,8 @@ def test_padding_tokens_continue_the_last_request_and_bad_layouts_fail():
         row_ids(ids, np.array([1, 5]), np.array([[EOS, EOS]]), g)
     with pytest.raises(ValueError):
         row_ids(ids, np.array([0, 5]), np.array([[EOS, EOS, EOS]]), g)
+    with pytest.raises(ValueError, match="rise"):
+        row_ids(ids, np.array([0, 3, 2]), np.array([[EOS, EOS]] * 2), g)
 
 
 def test_large_batch_is_vectorised():

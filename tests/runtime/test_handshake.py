@@ -179,3 +179,15 @@ def test_cross_process_steps_and_killed_producer(flag, tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_waiting_consumer_sleeps_instead_of_burning_cpu(flag):
+    pub = Publisher(flag)
+    timer = threading.Timer(0.4, pub.publish, args=(1,))
+    timer.start()
+    cpu0, t0 = time.thread_time(), time.perf_counter()
+    assert Waiter(flag).wait(1, timeout_s=10) == 1
+    cpu, wall = time.thread_time() - cpu0, time.perf_counter() - t0
+    timer.join()
+    assert wall >= 0.35
+    assert cpu < 0.1 * wall, f"the waiter used {cpu:.3f} s of CPU in {wall:.3f} s"

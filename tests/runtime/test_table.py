@@ -127,3 +127,12 @@ def test_torch_view_shares_the_mapping(built_table):
         assert view.data_ptr() == table.rows.ctypes.data  # zero copy
         ids = np.array([5, 0, table.total_rows - 1])
         np.testing.assert_array_equal(view[torch.from_numpy(ids)].numpy(), table.rows[ids])
+
+
+def test_geometry_recorded_in_the_table_matches_the_checkpoints(built_table):
+    with open_table(built_table.table_dir) as table:
+        recorded = table.geometry()
+    g = built_table.geometry
+    for key in ("total_rows", "num_heads", "head_sizes", "head_offsets", "multipliers"):
+        assert getattr(recorded, key) == getattr(g, key)
+    assert recorded.addressed_rows == g.addressed_rows

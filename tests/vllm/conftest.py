@@ -51,7 +51,8 @@ def _pip(python: Path | str, *args: str) -> None:
 
 def vllm_wheel() -> Path:
     with _locked("vllm-wheel"):
-        wheels = sorted(WHEEL_DIR.glob(f"vllm-{VLLM_VERSION}-*.whl"))
+        # any folder of .cache/ that already holds the wheel (other tests fetch it too)
+        wheels = sorted(CACHE.glob(f"*/vllm-{VLLM_VERSION}-*.whl"))
         if not wheels:
             _pip(
                 sys.executable,
@@ -89,7 +90,14 @@ def _venv_python() -> Path:
 
 @pytest.fixture(scope="session")
 def vllm_venv() -> Path:
-    """Python of a venv with vLLM 0.33.0 (no deps) that imports the Qwen4Exp PLE modules."""
+    """Python of a venv with vLLM 0.33.0 (no deps) that imports the Qwen4Exp PLE modules.
+
+    SPARKPLE_VLLM_PYTHON names another interpreter with vLLM 0.33.0 instead, e.g. one with
+    CUDA torch and triton, where the `gpu` test can run.
+    """
+    override = os.environ.get("SPARKPLE_VLLM_PYTHON")
+    if override:
+        return Path(override)
     wheel = vllm_wheel()
     requirements = HERE / "venv-requirements.txt"
     stamp_text = f"{wheel.name}\n{TORCH_PIN}\n{requirements.read_text()}"
@@ -106,13 +114,3 @@ def vllm_venv() -> Path:
             _pip(python, "install", "--no-deps", str(wheel))
             done.write_text(stamp_text)
     return _venv_python()
-
-
-def run_in_venv(python: Path, script: Path, *args: str, env: dict[str, str] | None = None):
-    """Run `script` with the test venv's Python, sparkple importable from this checkout."""
-    full_env = dict(os.environ)
-    full_env["PYTHONPATH"] = str(REPO)
-    full_env.update(env or {})
-    return subprocess.run(
-        [str(python), str(script), *args], capture_output=True, text=True, env=full_env
-    )

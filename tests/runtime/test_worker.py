@@ -1,0 +1,218 @@
+"""The whole data path: table + prefetch + gather + worker thread + handshake, on real files.
+
+Every staged step is compared with a direct pread of the same rows from the data file, with
+the row ids computed for the whole sequence at once (so chunk contexts and EOS boundaries
+must be carried correctly for the bytes to match).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from sparkple.errors import HandshakeError, ProducerDied, TableError
+from sparkple.ngram import row_ids
+from sparkple.nvfp4 import dequantize_rows
+from sparkple.prefetch import Prefetcher
+from sparkple.table import open_table
+from sparkple.worker import GatherWorker
+
+H = 16
+
+
+def direct_rows(table, ids: np.ndarray) -> np.ndarray:
+    width = table.row_width
+    flat = [os.pread(table.fd, width, int(i) * width) for i in ids.reshape(-1)]
+    return np.frombuffer(b"".join(flat), dtype=np.uint8).reshape(*ids.shape, width)
+
+
+def random_request(rng, geometry, length: int) -> np.ndarray:
+    tokens = rng.integers(0, geometry.vocab_size, length)
+    eos_at = rng.random(length) < 0.05
+    tokens[eos_at] = geometry.eos_token_id
+    return tokens
+
+
+def fresh_batch(requests: list[np.ndarray], geometry):
+    """A step where every request starts here (context = EOS)."""
+    ids = np.concatenate(requests)
+    qsl = np.concatenate(([0], np.cumsum([len(r) for r in requests])))
+    ctx = np.full((len(requests), geometry.ngram_size - 1), geometry.eos_token_id)
+    return ids, qsl, ctx
+
+
+@pytest.fixture
+def table(built_table):
+    with open_table(built_table.table_dir) as t:
+        t.evict()  # every test starts cold
+        yield t
+
+
+def test_double_buffered_steps_equal_direct_reads(table, built_table):
+    g = built_table.geometry
+    rng = np.random.default_rng(0)
+    steps = []
+    for _ in range(6):
+        reqs = [random_request(rng, g, int(n)) for n in rng.integers(1, 200, rng.integers(1, 5))]
+        batch = fresh_batch(reqs, g)
+        steps.append((batch, direct_rows(table, row_ids(*batch, g))))
+    with GatherWorker(table, g, max_tokens=1024, slots=2) as worker:
+        worker.submit(1, *steps[0][0])
+        worker.submit(2, *steps[1][0])
+        held = worker.wait(1, timeout_s=30)
+        np.testing.assert_array_equal(held, steps[0][1])
+        for seq in range(2, len(steps) + 1):
+            # Step seq was gathered into the other slot while step seq-1 is still held.
+            staged = worker.wait(seq, timeout_s=30)
+            np.testing.assert_array_equal(staged, steps[seq - 1][1])
+            np.testing.assert_array_equal(held, steps[seq - 2][1])  # not overwritten
+            assert np.shares_memory(staged, worker.staging)
+            assert not np.shares_memory(staged, held)
+            info = worker.info(seq)
+            assert info.prefetch is not None and info.prefetch.pages > 0
+            worker.release(seq - 1)
+            if seq + 1 <= len(steps):
+                worker.submit(seq + 1, *steps[seq][0])
+            held = staged
+        worker.release(len(steps))
+
+
+def test_chunked_prefill_with_contexts_equals_the_whole_sequence(table, built_table):
+    g = built_table.geometry
+    rng = np.random.default_rng(1)
+    seq_a = random_request(rng, g, 400)
+    seq_a[[0, 57, 58, 199]] = g.eos_token_id  # EOS at a chunk edge and twice in a row
+    seq_b = random_request(rng, g, 90)
+    whole = direct_rows(table, row_ids(*fresh_batch([seq_a, seq_b], g), g))
+    want_a, want_b = whole[:400], whole[400:]
+    cuts_a = [0, 1, 58, 200, 201, 400]  # chunks of 1, 57, 142, 1, 199 tokens
+    cuts_b = [0, 45, 46, 90, 90, 90]
+    got_a, got_b = [], []
+    with GatherWorker(table, g, max_tokens=512) as worker:
+        for step in range(len(cuts_a) - 1):
+            chunks, ctx = [], []
+            for seq, cuts in ((seq_a, cuts_a), (seq_b, cuts_b)):
+                lo, hi = cuts[step], cuts[step + 1]
+                chunks.append(seq[lo:hi])
+                before = np.concatenate(([g.eos_token_id] * 2, seq[:lo]))[-2:]
+                ctx.append(before)
+            ids = np.concatenate(chunks)
+            qsl = np.array([0, len(chunks[0]), len(ids)])
+            worker.submit(step + 1, ids, qsl, np.array(ctx))
+            staged = worker.wait(step + 1, timeout_s=30)
+            got_a.append(staged[: len(chunks[0])].copy())
+            got_b.append(staged[len(chunks[0]) :].copy())
+            worker.release(step + 1)
+    np.testing.assert_array_equal(np.concatenate(got_a), want_a)
+    np.testing.assert_array_equal(np.concatenate(got_b), want_b)
+
+
+def test_decode_steps_one_token_per_request(table, built_table):
+    """Decode: one new token per request, context = its two previous tokens."""
+    g = built_table.geometry
+    rng = np.random.default_rng(2)
+    histories = [random_request(rng, g, 30) for _ in range(3)]
+    whole = [direct_rows(table, row_ids(*fresh_batch([h], g), g)) for h in histories]
+    with GatherWorker(table, g, max_tokens=8) as worker:
+        for pos in range(2, 30):
+            ids = np.array([h[pos] for h in histories])
+            ctx = np.array([h[pos - 2 : pos] for h in histories])
+            worker.submit(pos, ids, np.arange(4), ctx)
+            staged = worker.wait(pos, timeout_s=30)
+            for r in range(3):
+                np.testing.assert_array_equal(staged[r], whole[r][pos])
+            worker.release(pos)
+
+
+def test_row_ids_path_decode_and_errors(table, built_table):
+    g = built_table.geometry
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, table.total_rows, (33, H))
+    ids[0] = table.total_rows - 1
+    with GatherWorker(table, g, max_tokens=64, prefetch=Prefetcher(table)) as worker:
+        worker.submit_row_ids(1, ids)
+        staged = worker.wait(1)
+        want = direct_rows(table, ids)
+        np.testing.assert_array_equal(staged, want)
+        decoded = worker.decode(1, staged, "cpu")
+        np.testing.assert_array_equal(
+            decoded.numpy(), dequantize_rows(want, table.meta.global_scale, table.meta.head_dim)
+        )
+        worker.release(1)
+        bad = ids.copy()
+        bad[5, 3] = table.total_rows
+        worker.submit_row_ids(2, bad)
+        with pytest.raises(TableError, match="outside the table"):
+            worker.wait(2)
+        worker.release(2)
+        worker.submit_row_ids(3, ids[:1])  # the worker carries on after a bad step
+        np.testing.assert_array_equal(worker.wait(3), want[:1])
+        worker.release(3)
+        with pytest.raises(HandshakeError, match="increase"):
+            worker.submit_row_ids(3, ids)
+        with pytest.raises(ValueError, match="max_tokens"):
+            worker.submit_row_ids(4, np.zeros((65, H), dtype=np.int64))
+        with pytest.raises(ValueError, match=r"\[tokens, 16\]"):
+            worker.submit_row_ids(4, np.zeros((2, 8), dtype=np.int64))
+        with pytest.raises(HandshakeError, match="not held"):
+            worker.release(3)
+
+
+def test_unreleased_slots_block_then_fail_clearly(table, built_table):
+    with GatherWorker(table, built_table.geometry, max_tokens=4, slots=2) as worker:
+        one = np.zeros((1, H), dtype=np.int64)
+        worker.submit_row_ids(1, one)
+        worker.submit_row_ids(2, one)
+        with pytest.raises(HandshakeError, match=r"no free staging slot.*\[1, 2\]"):
+            worker.submit_row_ids(3, one, timeout_s=0.2)
+        worker.wait(1)
+        worker.release(1)
+        worker.submit_row_ids(3, one + 7, timeout_s=1)
+        np.testing.assert_array_equal(worker.wait(2)[0], direct_rows(table, one)[0])
+        np.testing.assert_array_equal(worker.wait(3)[0], direct_rows(table, one + 7)[0])
+
+
+def test_a_table_for_another_model_is_refused(table, built_table):
+    other = built_table.geometry.__class__(
+        **{**built_table.geometry.__dict__, "total_rows": table.total_rows * 2}
+    )
+    with pytest.raises(TableError, match="total_rows: table"):
+        GatherWorker(table, other, max_tokens=4)
+
+
+class _Crash(Prefetcher):
+    """Ends the worker thread the way a fatal error would (SystemExit ends a thread quietly)."""
+
+    def prefetch(self, row_ids):
+        raise SystemExit
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_worker_thread_is_reported_within_a_second(table, built_table):
+    worker = GatherWorker(table, built_table.geometry, max_tokens=4, prefetch=_Crash(table))
+    try:
+        worker.submit_row_ids(1, np.zeros((1, H), dtype=np.int64))
+        t0 = time.perf_counter()
+        with pytest.raises(ProducerDied, match="is gone"):
+            worker.wait(1, timeout_s=60)
+        assert time.perf_counter() - t0 < 1.0
+    finally:
+        worker.close()
+
+
+@pytest.mark.gpu
+def test_pinned_staging_and_cuda_decode(table, built_table):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    ids = np.random.default_rng(4).integers(0, table.total_rows, (64, H))
+    with GatherWorker(table, built_table.geometry, max_tokens=64, pin_memory=True) as worker:
+        worker.submit_row_ids(1, ids)
+        staged = worker.wait(1)
+        on_gpu = worker.decode(1, staged, "cuda")
+        want = dequantize_rows(direct_rows(table, ids), table.meta.global_scale)
+        worker.release(1)  # waits for the async copy before the slot can be reused
+        np.testing.assert_array_equal(on_gpu.cpu().numpy(), want)
