@@ -1,0 +1,73 @@
+"""Reading the host's memory figures and running the site's configured commands.
+
+Commands are given as one string (a unit file or a role variable), split with shell rules and
+run without a shell; `{name}` placeholders in each word are filled from a mapping, so a value
+with spaces stays one argument.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+MEMINFO = Path("/proc/meminfo")
+KIB = 1024
+
+
+def read_meminfo() -> dict[str, int]:
+    """/proc/meminfo as bytes per field (the kernel reports kB, which are KiB)."""
+    fields: dict[str, int] = {}
+    for line in MEMINFO.read_text().splitlines():
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            fields[name] = int(parts[0]) * (KIB if parts[1:] == ["kB"] else 1)
+    return fields
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    argv: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+def render_command(template: str, values: dict[str, str]) -> list[str]:
+    """Split `template` into words and fill `{name}` placeholders in each word."""
+    try:
+        return [word.format(**values) for word in shlex.split(template)]
+    except (KeyError, ValueError, IndexError) as exc:
+        raise ValueError(
+            f"command {template!r} has a bad placeholder ({exc}); "
+            f"known placeholders: {', '.join('{' + k + '}' for k in sorted(values))}"
+        ) from exc
+
+
+def run_command(
+    template: str, values: dict[str, str], timeout_s: float, stdout_path: Path | None = None
+) -> CommandResult:
+    """Run a configured command; a missing program or a timeout is a failed result, not a crash,
+    because the loops that call this must keep running."""
+    argv = render_command(template, values)
+    if not argv:
+        return CommandResult(argv, 0, "", "")
+    try:
+        if stdout_path is not None:
+            with open(stdout_path, "wb") as out:
+                proc = subprocess.run(
+                    argv, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s, check=False
+                )
+            return CommandResult(argv, proc.returncode, "", "")
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+        return CommandResult(argv, proc.returncode, proc.stdout, proc.stderr)
+    except FileNotFoundError as exc:
+        return CommandResult(argv, 127, "", f"{argv[0]}: not found ({exc})")
+    except subprocess.TimeoutExpired:
+        return CommandResult(argv, 124, "", f"timed out after {timeout_s:g} s")

@@ -1,0 +1,394 @@
+#!/usr/bin/env python3
+"""PLE metrics for node_exporter's textfile collector, written atomically.
+
+One run collects:
+  - MemAvailable, MemFree and the page cache (/proc/meminfo);
+  - the PLE table's resident share: the data file named by <table-dir>/table.json is mapped
+    read-only and `mincore` says which pages are in the page cache (nothing is read or faulted);
+  - bytes read from the block device holding the table (/proc/diskstats);
+  - major page faults of the serving process tree (/proc/<pid>/stat, pid from --pid or from
+    `docker inspect` of --container);
+  - the PLE counters the patched backend writes into the stats dir (format: sparkple/stats.py);
+  - the supervisor's state and the incident markers, when --state-dir is given.
+A source that is missing only drops its metrics (and says so on stderr); the file is still
+written, so one broken source never blanks the rest.
+
+Standard library only: this runs on the host's system Python, where the sparkple package is not
+importable, so the stats-file reader below is self-contained; tests check it against the writer
+in sparkple/stats.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ple_host import read_meminfo
+from ple_state import atomic_write_text, manual_stop_path, read_json
+
+PREFIX = "sparkple_"
+STATS_FORMAT, STATS_VERSION = "sparkple-ple-stats", 1
+STATS_COUNTERS = {
+    "rows_gathered": "rows copied into staging by the gather worker",
+    "gather_calls": "gather batches",
+    "pages_prefetched": "table pages covered by WILLNEED prefetch advice",
+    "prefetch_calls": "prefetch batches",
+    "staging_overruns": "batches that did not fit the staging buffer",
+}
+SUPERVISOR_STATES = ("running", "launched", "backoff", "hold", "breaker-open", "manual-stop")
+MINCORE_WINDOW = 1 << 30  # map and check the table 1 GiB at a time
+
+
+def warn(message: str) -> None:
+    print(f"ple-metrics: {message}", file=sys.stderr, flush=True)
+
+
+class Exposition:
+    """Prometheus text exposition: HELP and TYPE once per family, then its samples."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def family(self, name: str, kind: str, help_text: str) -> str:
+        full = PREFIX + name
+        self.lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"]
+        return full
+
+    def sample(self, name: str, value: float, labels: dict[str, str] | None = None) -> None:
+        label_text = ""
+        if labels:
+            inner = ",".join(f'{k}="{escape(v)}"' for k, v in sorted(labels.items()))
+            label_text = "{" + inner + "}"
+        self.lines.append(f"{name}{label_text} {format_value(value)}")
+
+    def metric(
+        self,
+        name: str,
+        kind: str,
+        help_text: str,
+        value: float,
+        labels: dict[str, str] | None = None,
+    ) -> None:
+        self.sample(self.family(name, kind, help_text), value, labels)
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+def escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def format_value(value: float) -> str:
+    if isinstance(value, int) or float(value).is_integer():
+        return str(int(value))
+    return repr(float(value))
+
+
+# -- memory -----------------------------------------------------------------------------------
+def collect_memory(out: Exposition) -> None:
+    mem = read_meminfo()
+    out.metric("mem_available_bytes", "gauge", "MemAvailable.", mem["MemAvailable"])
+    out.metric("mem_free_bytes", "gauge", "MemFree.", mem["MemFree"])
+    out.metric("page_cache_bytes", "gauge", "Page cache (Cached).", mem.get("Cached", 0))
+
+
+# -- the table --------------------------------------------------------------------------------
+def table_data_path(table_dir: Path) -> tuple[Path, int]:
+    """The data file named by table.json and its expected size (see sparkple/tablemeta.py)."""
+    meta_path = table_dir / "table.json"
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        name, size = meta["data_file"], int(meta["data_bytes"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{meta_path}: no published table ({exc})") from exc
+    if not isinstance(name, str) or "/" in name:
+        raise ValueError(f"{meta_path}: data_file must be a file name in the table dir")
+    return table_dir / name, size
+
+
+def resident_pages(path: Path) -> tuple[int, int]:
+    """(resident pages, total pages) of `path` in the page cache, from mincore(2)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = mmap.PAGESIZE
+    odd = bytes(i & 1 for i in range(256))  # only bit 0 of each mincore byte is defined
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        resident = 0
+        for offset in range(0, size, MINCORE_WINDOW):
+            length = min(MINCORE_WINDOW, size - offset)
+            addr = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+            try:
+                vec = ctypes.create_string_buffer((length + page - 1) // page)
+                if libc.mincore(addr, length, vec) != 0:
+                    raise OSError(ctypes.get_errno(), f"mincore on {path} failed")
+                resident += vec.raw.translate(odd).count(1)
+            finally:
+                libc.munmap(addr, length)
+        return resident, (size + page - 1) // page
+    finally:
+        os.close(fd)
+
+
+def block_device(path: Path) -> str | None:
+    """The kernel name of the block device (partition) holding `path`, if it has one."""
+    st_dev = path.stat().st_dev
+    link = Path(f"/sys/dev/block/{os.major(st_dev)}:{os.minor(st_dev)}")
+    return link.resolve().name if link.exists() else None
+
+
+def disk_read_bytes(device: str) -> int | None:
+    for line in Path("/proc/diskstats").read_text().splitlines():
+        parts = line.split()
+        if len(parts) > 5 and parts[2] == device:
+            return int(parts[5]) * 512  # sectors read; diskstats sectors are 512 B
+    return None
+
+
+def collect_table(out: Exposition, table_dir: Path, device_override: str) -> None:
+    try:
+        data_path, expected = table_data_path(table_dir)
+        resident, total = resident_pages(data_path)
+    except (ValueError, OSError) as exc:
+        warn(f"table metrics skipped: {exc}")
+        out.metric("ple_table_published", "gauge", "1 when table.json names a table.", 0)
+        return
+    out.metric("ple_table_published", "gauge", "1 when table.json names a table.", 1)
+    out.metric("ple_table_size_bytes", "gauge", "Size of the PLE table data file.", expected)
+    page = mmap.PAGESIZE
+    out.metric(
+        "ple_table_resident_bytes",
+        "gauge",
+        "PLE table bytes in the page cache (mincore).",
+        min(resident * page, expected),
+    )
+    out.metric(
+        "ple_table_resident_ratio",
+        "gauge",
+        "Share of the PLE table's pages in the page cache (mincore).",
+        resident / total if total else 0.0,
+    )
+    device = device_override or block_device(data_path)
+    read = disk_read_bytes(device) if device else None
+    if read is None:
+        warn(f"disk metrics skipped: no block device statistics for {data_path}")
+        return
+    out.metric(
+        "ple_disk_read_bytes_total",
+        "counter",
+        "Bytes read from the block device holding the PLE table.",
+        read,
+        {"device": device},
+    )
+
+
+# -- the serving process ----------------------------------------------------------------------
+def container_pid(container: str) -> int | None:
+    try:
+        done = subprocess.run(
+            ["docker", "inspect", "--format", "{{.State.Pid}}", container],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    pid = done.stdout.strip()
+    return int(pid) if done.returncode == 0 and pid.isdigit() and int(pid) > 0 else None
+
+
+def proc_stat(pid: str) -> tuple[int, int] | None:
+    """(ppid, majflt) from /proc/<pid>/stat; the command name may hold spaces and parens."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    return int(fields[1]), int(fields[9])  # fields 4 and 12 of proc(5), counted from 1
+
+
+def tree_major_faults(root: int) -> tuple[int, int] | None:
+    """(processes, major faults) summed over `root` and its live descendants."""
+    stats = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (st := proc_stat(entry)) is not None:
+            stats[int(entry)] = st
+    if root not in stats:
+        return None
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    todo, seen = [root], set()
+    while todo:
+        pid = todo.pop()
+        if pid not in seen:
+            seen.add(pid)
+            todo += children.get(pid, [])
+    return len(seen), sum(stats[p][1] for p in seen)
+
+
+def collect_process(out: Exposition, pid: int | None, container: str) -> None:
+    if pid is None and container:
+        pid = container_pid(container)
+    found = tree_major_faults(pid) if pid else None
+    out.metric("serving_up", "gauge", "1 when the serving process was found.", int(bool(found)))
+    if not found:
+        return
+    count, faults = found
+    out.metric("serving_processes", "gauge", "Processes in the serving process tree.", count)
+    out.metric(
+        "serving_major_faults_total",
+        "counter",
+        "Major page faults of the live serving process tree.",
+        faults,
+    )
+
+
+# -- PLE counters from the backend ------------------------------------------------------------
+def read_stats_dir(stats_dir: Path, max_age_s: float, now: float) -> list[dict[str, Any]]:
+    """Fresh, well-formed stats files (format defined in sparkple/stats.py)."""
+    docs = []
+    for path in sorted(stats_dir.glob("ple-stats-*.json")):
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            warn(f"{path}: unreadable ({exc}); skipped")
+            continue
+        if not (
+            isinstance(doc, dict)
+            and doc.get("format") == STATS_FORMAT
+            and doc.get("version") == STATS_VERSION
+            and isinstance(doc.get("counters"), dict)
+            and isinstance(doc.get("handshake_wait_seconds"), dict)
+        ):
+            warn(f"{path}: not a version {STATS_VERSION} PLE stats file; skipped")
+            continue
+        updated = doc.get("updated_at")
+        if not isinstance(updated, int | float) or now - updated > max_age_s:
+            continue  # its writer is gone
+        docs.append(doc)
+    return docs
+
+
+def collect_stats(out: Exposition, stats_dir: Path, max_age_s: float) -> None:
+    docs = read_stats_dir(stats_dir, max_age_s, time.time())
+    out.metric("ple_stats_writers", "gauge", "Processes writing fresh PLE stats.", len(docs))
+    if not docs:
+        return
+    for name, help_text in STATS_COUNTERS.items():
+        total = sum(int(d["counters"].get(name, 0)) for d in docs)
+        out.metric(
+            f"ple_{name}_total", "counter", help_text[0].upper() + help_text[1:] + ".", total
+        )
+    # Merge histograms by bound; every writer of one version uses the same bounds.
+    merged: dict[float, int] = {}
+    count, total_s = 0, 0.0
+    for doc in docs:
+        hist = doc["handshake_wait_seconds"]
+        for le, n in zip(hist.get("le", []), hist.get("counts", []), strict=False):
+            merged[float(le)] = merged.get(float(le), 0) + int(n)
+        count += int(hist.get("count", 0))
+        total_s += float(hist.get("sum", 0.0))
+    name = out.family(
+        "ple_handshake_wait_seconds",
+        "histogram",
+        "Time the forward waited for the gather worker's handshake.",
+    )
+    for le in sorted(merged):
+        out.sample(f"{name}_bucket", merged[le], {"le": repr(le)})
+    out.sample(f"{name}_bucket", count, {"le": "+Inf"})
+    out.sample(f"{name}_sum", total_s)
+    out.sample(f"{name}_count", count)
+
+
+# -- operations state -------------------------------------------------------------------------
+def collect_ops(out: Exposition, state_dir: Path) -> None:
+    kinds: dict[str, int] = {"emergency": 0, "wedged": 0}
+    for path in (state_dir / "markers").glob("*.json"):
+        kind = path.name.split("-", 1)[0]
+        if kind in kinds:
+            kinds[kind] += 1
+    name = out.family("ops_incidents_total", "counter", "Incident markers recorded, by kind.")
+    for kind, n in sorted(kinds.items()):
+        out.sample(name, n, {"kind": kind})
+    sup = read_json(state_dir / "supervisor.json", {})
+    state = sup.get("state") if isinstance(sup, dict) else None
+    name = out.family("supervisor_state", "gauge", "1 for the supervisor's current state.")
+    for s in SUPERVISOR_STATES:
+        out.sample(name, int(state == s), {"state": s})
+    out.metric(
+        "supervisor_manual_stop",
+        "gauge",
+        "1 while the manual-stop flag is set.",
+        int(manual_stop_path(state_dir).exists()),
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True, help="the .prom file to (re)write")
+    p.add_argument("--table-dir", type=Path, help="the published PLE table's directory")
+    p.add_argument("--disk-device", default="", help="block device name; default: the table's")
+    p.add_argument("--pid", type=int, help="serving process id (default: from --container)")
+    p.add_argument("--container", default="", help="serving container name")
+    p.add_argument("--stats-dir", type=Path, help="where the backend writes ple-stats-*.json")
+    p.add_argument("--stats-max-age-s", type=float, default=60.0, help="older files are stale")
+    p.add_argument("--state-dir", type=Path, help="the watchdog/supervisor state dir")
+    args = p.parse_args(argv)
+    if args.out.suffix != ".prom":
+        p.error("--out must end in .prom (node_exporter's textfile collector reads only those)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    out = Exposition()
+    collect_memory(out)
+    if args.table_dir:
+        collect_table(out, args.table_dir, args.disk_device)
+    if args.pid or args.container:
+        collect_process(out, args.pid, args.container)
+    if args.stats_dir:
+        collect_stats(out, args.stats_dir, args.stats_max_age_s)
+    if args.state_dir:
+        collect_ops(out, args.state_dir)
+    out.metric(
+        "metrics_collect_seconds",
+        "gauge",
+        "Time this collection took.",
+        round(time.monotonic() - started, 6),
+    )
+    try:
+        atomic_write_text(args.out, out.text())
+    except OSError as exc:
+        warn(f"cannot write {args.out}: {exc}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

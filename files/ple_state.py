@@ -1,0 +1,109 @@
+"""The operations state directory shared by the watchdog, supervisor and probe.
+
+Layout of the state dir (one per host):
+  markers/<kind>-<UTC stamp>.json   one file per incident (kind: emergency, wedged); kept for
+                                    forensics, counted by the supervisor's circuit breaker
+  manual-stop                       flag: an operator stopped the service; nothing relaunches it
+  <program>.json                    each program's current state, for `status` output
+  alerts.json                       when each alert kind was last sent (rate limit)
+  supervisor.lock                   serialises the supervisor's loop and the drain-and-relaunch
+
+Standard library only: these programs run on the host's system Python.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import fcntl
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+MARKERS = "markers"
+MANUAL_STOP = "manual-stop"
+
+
+def utc_stamp(t: float) -> str:
+    """A sortable, filename-safe UTC stamp with microseconds."""
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y%m%dT%H%M%S.%fZ")
+
+
+def iso(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.UTC).isoformat(timespec="seconds")
+
+
+def atomic_write_text(path: Path, text: str, mode: int = 0o644) -> None:
+    """Write `text` to `path` so readers see the old or the new content, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def read_json(path: Path, default: Any) -> Any:
+    """The parsed file, or `default` when it is missing or unreadable (a torn or hand-edited
+    state file must not stop the protection loops)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return default
+
+
+def update_json(path: Path, fields: dict[str, Any]) -> None:
+    """Merge `fields` into the JSON object in `path` (written atomically)."""
+    data = read_json(path, {})
+    write_json(path, {**(data if isinstance(data, dict) else {}), **fields})
+
+
+def write_marker(state_dir: Path, kind: str, t: float, payload: dict[str, Any]) -> Path:
+    """Record one incident; the marker's name sorts by time."""
+    path = state_dir / MARKERS / f"{kind}-{utc_stamp(t)}.json"
+    write_json(path, {"kind": kind, "time": t, "time_iso": iso(t), **payload})
+    return path
+
+
+def read_markers(state_dir: Path, kinds: set[str], since: float) -> list[dict[str, Any]]:
+    """Markers of the given kinds whose time is at or after `since`, oldest first."""
+    found = []
+    for path in sorted((state_dir / MARKERS).glob("*.json")):
+        data = read_json(path, None)
+        if not isinstance(data, dict) or data.get("kind") not in kinds:
+            continue
+        t = data.get("time")
+        if isinstance(t, int | float) and t >= since:
+            data["path"] = str(path)
+            found.append(data)
+    return found
+
+
+def manual_stop_path(state_dir: Path) -> Path:
+    return state_dir / MANUAL_STOP
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `path` (created if needed) for the block's duration."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)

@@ -1,0 +1,94 @@
+"""Helpers for the operations tests: they run the real host-side programs from files/ as
+subprocesses against real processes, real HTTP servers and the real /proc."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FILES = ROOT / "files"
+STANDIN = Path(__file__).with_name("standin.py")
+sys.path.insert(0, str(FILES))  # the modules the programs import (ple_state, ...)
+
+
+def meminfo_mib(field: str) -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) // 1024
+    raise KeyError(field)
+
+
+def program(name: str, *args: object) -> list[str]:
+    return [sys.executable, str(FILES / name), *map(str, args)]
+
+
+def standin_cmd(command: str, directory: Path, *extra: object) -> str:
+    """A command line (as the programs' --*-cmd flags take it) for the stand-in manager."""
+    words = [sys.executable, "-S", str(STANDIN), command, str(directory), *map(str, extra)]
+    return " ".join(f"'{w}'" for w in words)
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float, what: str) -> object:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def output(p: subprocess.Popen) -> str:
+    """What a program started by the `procs` fixture has printed so far."""
+    return Path(p.log_path).read_text()  # type: ignore[attr-defined]
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def markers(state_dir: Path, kind: str) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((state_dir / "markers").glob(f"{kind}-*"))]
+
+
+class Standin:
+    """The stand-in server managed through its own start/stop/is-active commands."""
+
+    def __init__(self, directory: Path, port: int) -> None:
+        self.dir = directory
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+
+    def start(self, *extra: str) -> None:
+        cmd = [sys.executable, str(STANDIN), "start", str(self.dir), "--port", str(self.port)]
+        subprocess.run([*cmd, *extra], check=True, timeout=20)
+
+    def active(self) -> bool:
+        cmd = [sys.executable, str(STANDIN), "is-active", str(self.dir)]
+        return subprocess.run(cmd, timeout=20).returncode == 0
+
+    def pid(self, which: str) -> int:
+        return int((self.dir / f"{which}.pid").read_text())
+
+    def cmd(self, command: str) -> str:
+        extra = ("--port", self.port) if command == "start" else ()
+        return standin_cmd(command, self.dir, *extra)
+
+    def kill_all(self) -> None:
+        for which in ("engine", "front"):
+            try:
+                pid = self.pid(which)
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+            except (OSError, ValueError):
+                pass

@@ -1,0 +1,199 @@
+"""The supervisor relaunching a real stand-in service, with the real watchdog stopping it (its
+floor set above this machine's real MemAvailable), backoff, hold and circuit breaker."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+from ops_helpers import markers, meminfo_mib, output, program, read_json, wait_for
+
+BASE = 0.5
+
+
+def supervisor(state, service, *args: object) -> list[str]:
+    return program(
+        "ple_supervisor.py", "run",
+        "--state-dir", state,
+        "--check-cmd", service.cmd("is-active"),
+        "--start-cmd", service.cmd("start"),
+        "--stop-cmd", service.cmd("stop"),
+        "--poll-s", 0.1,
+        "--backoff-base-s", BASE,
+        "--backoff-cap-s", 30,
+        "--stable-s", 60,
+        *args,
+    )  # fmt: skip
+
+
+def sup_state(state) -> dict:
+    return read_json(state / "supervisor.json")
+
+
+def events(state, name: str) -> list[dict]:
+    return [h for h in sup_state(state).get("history", []) if h["event"] == name]
+
+
+def test_relaunch_with_backoff_until_the_breaker_opens_then_reset(tmp_path, standin, procs):
+    state = tmp_path / "state"
+    standin.start()
+    sup = procs(supervisor(state, standin))
+    wait_for(lambda: sup_state(state).get("state") == "running", 10, "supervisor sees it up")
+    started = time.monotonic()
+    wd = procs(
+        # 5 samples x 0.2 s: longer than the stand-in's start command (it waits for /health),
+        # so a trip does not land inside a start on a loaded machine
+        program(
+            "ple_watchdog.py",
+            "--state-dir",
+            state,
+            "--log-dir",
+            tmp_path / "logs",
+            "--interval-s",
+            0.2,
+            "--avail-floor-mib",
+            2 * meminfo_mib("MemTotal"),
+            "--running-cmd",
+            standin.cmd("is-active"),
+            "--logs-cmd",
+            f"cat {standin.dir / 'server.log'}",
+            "--stop-cmd",
+            standin.cmd("stop"),
+        )  # fmt: skip
+    )
+    wait_for(lambda: sup_state(state).get("state") == "breaker-open", 30, "the breaker")
+    took = time.monotonic() - started
+    # The marker is written before the stop; the breaker may open while the third stop runs.
+    emergencies = wait_for(
+        lambda: (
+            [m for m in markers(state, "emergency") if m["stopped"] is not None]
+            == (all_markers := markers(state, "emergency"))
+            and all_markers
+        ),
+        20,
+        "the third stop to finish",
+    )
+    assert len(emergencies) == 3 and all(m["stopped"] for m in emergencies)
+    relaunches = events(state, "relaunch")
+    history = sup_state(state)["history"]
+    assert [r["attempt"] for r in relaunches] == [1, 2], f"relaunched twice only: {history}"
+    for n, r in enumerate(relaunches):
+        expected = BASE * 2**n
+        assert expected <= r["waited_s"] < expected + 1.0, f"backoff {n}: {r}"
+    assert events(state, "launch-failed") == [], "emergency stops are not launch failures"
+    for marker, relaunch in zip(emergencies[1:], relaunches, strict=True):
+        # a relaunched service gets the whole debounce: no sample from while it was down counts
+        assert marker["readings"][0]["time"] >= relaunch["time"]
+    assert len(events(state, "breaker-open")[0]["incidents"]) == 3
+
+    # The breaker latches: nothing relaunches the service while it is open.
+    time.sleep(2 * BASE)
+    assert not standin.active()
+    assert sup_state(state)["state"] == "breaker-open"
+    shown = subprocess.run(
+        program("ple_supervisor.py", "status", "--state-dir", state),
+        capture_output=True, text=True, timeout=20,
+    )  # fmt: skip
+    assert shown.returncode == 0 and "supervisor: breaker-open" in shown.stdout
+    assert "incidents in 24 h: 3" in shown.stdout
+
+    # With the memory pressure gone (watchdog stopped), a reset relaunches after the first delay.
+    wd.terminate()
+    wd.wait(5)
+    reset_at = time.time()
+    subprocess.run(
+        program("ple_supervisor.py", "reset", "--state-dir", state), check=True, timeout=20
+    )
+    wait_for(lambda: sup_state(state).get("state") == "running", 10, "running after reset")
+    assert standin.active()
+    after = [r for r in events(state, "relaunch") if r["time"] >= reset_at]
+    assert len(after) == 1 and after[0]["attempt"] == 1
+    assert BASE <= after[0]["waited_s"] < BASE + 1.0
+    print(f"three emergencies and the breaker in {took:.2f} s")
+    assert "breaker-open" in output(sup)
+
+
+def test_holds_after_repeated_launch_failures(tmp_path, standin, procs):
+    state = tmp_path / "state"
+    sup = procs(
+        supervisor(
+            state, standin, "--start-cmd", "false", "--hold-after", 3, "--backoff-base-s", 0.1
+        )
+    )
+    wait_for(lambda: sup_state(state).get("state") == "hold", 10, "hold")
+    failures = events(state, "launch-failed")
+    assert [f["attempt"] for f in failures] == [1, 2, 3]
+    waits = [f["waited_s"] for f in failures]
+    assert 0.1 <= waits[0] < 0.6 and 0.2 <= waits[1] < 0.7 and 0.4 <= waits[2] < 0.9, waits
+    assert sup_state(state)["hold_reason"] == "3 launches in a row failed"
+    time.sleep(0.5)
+    assert len(events(state, "launch-failed")) == 3, "no attempt while holding"
+    assert sup.poll() is None
+
+
+def test_a_service_that_dies_right_after_launch_counts_as_a_failed_launch(tmp_path, procs):
+    state = tmp_path / "state"
+    pidfile = tmp_path / "pid"
+
+    check = tmp_path / "is-active.sh"  # the pid is running and not yet reaped
+    check.write_text(
+        f'read -r pid < {pidfile} && read -r _ _ s _ < /proc/$pid/stat && [ "$s" != Z ]'
+    )
+
+    class Dying:
+        @staticmethod
+        def cmd(command: str) -> str:
+            return {
+                "is-active": f"sh {check}",
+                # starts fine, exits 0.2 s later
+                "start": f"sh -c 'sleep 0.2 >/dev/null 2>&1 & echo $! > {pidfile}'",
+                "stop": "true",
+            }[command]
+
+    procs(supervisor(state, Dying, "--hold-after", 2, "--backoff-base-s", 0.1))
+    wait_for(lambda: sup_state(state).get("state") == "hold", 15, "hold")
+    failed = events(state, "launch-failed")
+    assert len(failed) == 2 and all("exited_after_s" in f for f in failed)
+    assert len(events(state, "relaunch")) == 2
+
+
+def test_manual_stop_flag_is_respected(tmp_path, standin, procs):
+    state = tmp_path / "state"
+    subprocess.run(
+        program("ple_supervisor.py", "manual-stop", "--state-dir", state), check=True, timeout=20
+    )
+    procs(supervisor(state, standin, "--backoff-base-s", 0.1))
+    wait_for(lambda: sup_state(state).get("state") == "manual-stop", 10, "manual-stop state")
+    time.sleep(1.0)
+    assert not standin.active() and events(state, "relaunch") == []
+    subprocess.run(
+        program("ple_supervisor.py", "resume", "--state-dir", state), check=True, timeout=20
+    )
+    wait_for(lambda: sup_state(state).get("state") == "running", 10, "relaunch after resume")
+    assert standin.active()
+
+
+def test_maintenance_relaunch_drains_and_restarts_without_a_down_event(tmp_path, standin, procs):
+    state = tmp_path / "state"
+    standin.start()
+    procs(supervisor(state, standin))
+    wait_for(lambda: sup_state(state).get("state") == "running", 10, "running")
+    before = standin.pid("front")
+    done = subprocess.run(
+        program(
+            "ple_supervisor.py", "relaunch",
+            "--state-dir", state,
+            "--check-cmd", standin.cmd("is-active"),
+            "--start-cmd", standin.cmd("start"),
+            "--stop-cmd", standin.cmd("stop"),
+            "--drain-metrics-url", standin.url + "/metrics",
+            "--drain-timeout-s", 5,
+        ),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert standin.active() and standin.pid("front") != before
+    relaunch = events(state, "maintenance-relaunch")
+    assert len(relaunch) == 1 and relaunch[0]["drained"] is True
+    time.sleep(0.5)
+    assert events(state, "down") == [] and sup_state(state)["state"] == "running"

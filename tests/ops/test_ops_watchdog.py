@@ -1,0 +1,182 @@
+"""The memory watchdog against the real /proc/meminfo: floors are set above (or below) what this
+machine really has, and the thing it stops is a real process."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from ops_helpers import markers, meminfo_mib, output, program, read_json, wait_for
+
+INTERVAL = 0.1
+
+
+def watchdog(state: Path, *args: object) -> list[str]:
+    return program(
+        "ple_watchdog.py",
+        "--state-dir", state,
+        "--log-dir", state.parent / "logs",
+        "--container", "lab-vllm",
+        "--interval-s", INTERVAL,
+        "--debounce", 5,
+        *args,
+    )  # fmt: skip
+
+
+def above_real_memory() -> int:
+    return 2 * meminfo_mib("MemTotal")
+
+
+def test_trips_after_debounce_archives_log_and_stops_the_service(tmp_path, standin, procs):
+    standin.start()
+    state = tmp_path / "state"
+    started = time.monotonic()
+    wd = procs(
+        watchdog(
+            state,
+            "--avail-floor-mib",
+            above_real_memory(),
+            "--running-cmd",
+            standin.cmd("is-active"),
+            "--logs-cmd",
+            f"cat {standin.dir / 'server.log'}",
+            "--stop-cmd",
+            standin.cmd("stop"),
+        )  # fmt: skip
+    )
+    marker = wait_for(
+        lambda: [m for m in markers(state, "emergency") if m.get("stopped") is not None],
+        15,
+        "the stop to finish",
+    )[0]
+    elapsed = time.monotonic() - started
+
+    readings = marker["readings"]
+    assert len(readings) == 5, "trips on the fifth consecutive bad sample"
+    floor = above_real_memory() * 1024 * 1024
+    assert all(r["mem_available_bytes"] < floor for r in readings)
+    span = readings[-1]["time"] - readings[0]["time"]
+    assert span >= 4 * INTERVAL * 0.9, f"five samples must span four intervals, got {span:.3f} s"
+    assert "MemAvailable" in marker["reason"]
+    assert marker["stopped"] is True and marker["stop_exit"] == 0
+    assert not standin.active(), "the service was stopped"
+    archive = Path(marker["log_archive"])
+    assert archive.parent == tmp_path / "logs" and archive.name.startswith("lab-vllm-")
+    assert "stand-in: serving on" in archive.read_text(), "the service's log was archived"
+    assert "SIGTERM" in (standin.dir / "server.log").read_text(), "stopped gracefully (SIGTERM)"
+    assert elapsed < 10
+
+    wd.send_signal(signal.SIGTERM)
+    assert wd.wait(5) == 0
+    assert "EMERGENCY after 5 samples" in output(wd)
+
+
+def test_memfree_floor_counts_only_while_memavailable_is_below_the_gate(tmp_path, procs):
+    target = subprocess.Popen(["sleep", "300"])
+    try:
+        gated_out = tmp_path / "gated"
+        huge = above_real_memory()
+        common = ("--running-cmd", f"kill -0 {target.pid}", "--stop-cmd", f"kill {target.pid}")
+        # MemFree below its floor, but MemAvailable is above the gate: a full page cache, fine.
+        wd = procs(
+            watchdog(
+                gated_out / "state",
+                "--avail-floor-mib",
+                0,
+                "--free-floor-mib",
+                huge,
+                "--free-gate-mib",
+                0,
+                "--logs-cmd",
+                "true",
+                *common,
+            )  # fmt: skip
+        )
+        wait_for(
+            lambda: read_json(gated_out / "state" / "watchdog.json").get("samples", 0) >= 12,
+            10,
+            "twelve samples",
+        )
+        assert markers(gated_out / "state", "emergency") == []
+        assert target.poll() is None, "nothing was stopped"
+        wd.terminate()
+        wd.wait(5)
+
+        # The same MemFree reading with MemAvailable below the gate trips.
+        state = tmp_path / "state"
+        procs(
+            watchdog(
+                state,
+                "--avail-floor-mib",
+                0,
+                "--free-floor-mib",
+                huge,
+                "--free-gate-mib",
+                huge,
+                "--logs-cmd",
+                "true",
+                *common,
+            )  # fmt: skip
+        )
+        marker = wait_for(
+            lambda: [m for m in markers(state, "emergency") if m.get("stopped")], 10, "a trip"
+        )[0]
+        assert "MemFree" in marker["reason"] and "gate" in marker["reason"]
+        assert "MemAvailable" not in marker["reason"].split(" while ")[0]
+        assert target.wait(5) == -signal.SIGTERM
+    finally:
+        target.kill()
+        target.wait()
+
+
+def test_no_marker_when_the_service_is_not_running(tmp_path, procs):
+    state = tmp_path / "state"
+    wd = procs(
+        watchdog(
+            state,
+            "--avail-floor-mib",
+            above_real_memory(),
+            "--running-cmd",
+            "false",
+            "--stop-cmd",
+            f"touch {tmp_path / 'stopped'}",
+        )  # fmt: skip
+    )
+    wait_for(lambda: "service is not running" in output(wd), 10, "the watchdog to notice")
+    assert markers(state, "emergency") == []
+    assert not (tmp_path / "stopped").exists()
+    status = read_json(state / "watchdog.json")
+    assert status["trips"] == 0 and status["mem_available_bytes"] > 0
+
+
+def test_a_failing_stop_is_recorded(tmp_path, procs):
+    state = tmp_path / "state"
+    procs(
+        watchdog(
+            state,
+            "--avail-floor-mib",
+            above_real_memory(),
+            "--running-cmd",
+            "true",
+            "--logs-cmd",
+            "no-such-program-here",
+            "--stop-cmd",
+            "false",
+        )  # fmt: skip
+    )
+    marker = wait_for(
+        lambda: [m for m in markers(state, "emergency") if m.get("stopped") is not None],
+        10,
+        "a marker",
+    )[0]
+    assert marker["stopped"] is False and marker["stop_exit"] == 1
+    assert marker["log_archive"] is None and marker["log_archive_error"] == "exit 127"
+
+
+def test_bad_settings_are_refused(tmp_path):
+    done = subprocess.run(
+        watchdog(tmp_path, "--debounce", 0), capture_output=True, text=True, timeout=20
+    )
+    assert done.returncode == 2 and "--debounce" in done.stderr
