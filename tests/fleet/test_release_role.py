@@ -1,0 +1,134 @@
+"""The release role on this machine (connection local): ids, staging, links, rollback, pruning.
+
+Each test runs the real role with ansible-playbook against real files in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # about 3 s per ansible-playbook run on an idle machine
+
+ROOT = Path(__file__).resolve().parents[2]
+PLAYBOOK = """
+- hosts: localhost
+  gather_facts: false
+  tasks:
+    - ansible.builtin.include_role: {name: release}
+    - ansible.builtin.include_role: {name: release, tasks_from: activate}
+      when: step == 'activate'
+    - ansible.builtin.include_role: {name: release, tasks_from: rollback}
+      when: step == 'rollback'
+    - ansible.builtin.copy:
+        content: "{{ {'id': release_id, 'current': release_current_id,
+                      'previous': release_previous_id} | to_json }}"
+        dest: "{{ out }}"
+        mode: "0644"
+"""
+
+
+def _ansible_playbook() -> str:
+    exe = Path(sys.executable).parent / "ansible-playbook"
+    found = str(exe) if exe.exists() else shutil.which("ansible-playbook")
+    if not found:
+        pytest.skip("ansible-playbook is not installed (run .ci/setup-venv)")
+    return found
+
+
+@pytest.fixture
+def site(tmp_path: Path) -> Path:
+    table = tmp_path / "table"
+    table.mkdir()
+    (table / "table.json").write_text('{"data_file": "rows-1.bin", "data_bytes": 4}')
+    patches = tmp_path / "patches"
+    (patches / "models").mkdir(parents=True)
+    (patches / "models" / "x.py").write_text("x = 1\n")
+    (patches / "manifest.json").write_text(json.dumps({"files": [{"path": "models/x.py"}]}))
+    (tmp_path / "play.yml").write_text(PLAYBOOK)
+    return tmp_path
+
+
+def run(site: Path, action: str = "stage", **extra: str) -> tuple[dict, int]:
+    variables = {
+        "release_root": str(site / "releases"),
+        "release_table_dir": str(site / "table"),
+        "release_patch_dir": str(site / "patches"),
+        "release_patch_profile": "vllm-0.33",
+        "release_vllm_path": "/usr/lib/python3/dist-packages/vllm",
+        "release_image": "sha256:" + "a" * 64,
+        "release_name": "A",
+        "step": action,
+        "out": str(site / "out.json"),
+        **extra,
+    }
+    env = dict(os.environ, ANSIBLE_ROLES_PATH=str(ROOT / "roles"))
+    env.pop("ANSIBLE_CONFIG", None)  # cwd is the temporary directory: no ansible.cfg applies
+    variables["ansible_python_interpreter"] = sys.executable
+    (site / "out.json").unlink(missing_ok=True)
+    proc = subprocess.run(
+        [
+            _ansible_playbook(),
+            "-i",
+            "localhost,",
+            "-c",
+            "local",
+            str(site / "play.yml"),
+            "-e",
+            json.dumps(variables),
+        ],
+        cwd=site,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    changed = int(re.search(r"localhost\s*:.*changed=(\d+)", proc.stdout).group(1))
+    return json.loads((site / "out.json").read_text()), changed - 1  # minus the copy of out.json
+
+
+def test_release_is_staged_whole_and_named_by_its_inputs(site: Path) -> None:
+    first, changed = run(site)
+    release = site / "releases" / first["id"]
+    assert changed > 0
+    assert re.fullmatch(r"[0-9a-f]{16}", first["id"])
+    recorded = json.loads((release / "release.json").read_text())
+    assert recorded["id"] == first["id"]
+    assert recorded["inputs"]["patch_files"] == ["models/x.py"]
+    assert (release / "patches" / "models" / "x.py").read_text() == "x = 1\n"
+    assert not (site / "releases" / (first["id"] + ".partial")).exists()
+    again, changed = run(site)
+    assert again["id"] == first["id"] and changed == 0
+    # the inputs make the id: a new name, or a table rebuilt, is a new release
+    assert run(site, release_name="B")[0]["id"] != first["id"]
+    (site / "table" / "table.json").write_text('{"data_file": "rows-2.bin", "data_bytes": 4}')
+    assert run(site)[0]["id"] != first["id"]
+
+
+def test_activate_keeps_the_previous_release_and_rollback_returns_to_it(site: Path) -> None:
+    a, _ = run(site, "activate")
+    assert a["current"] == a["id"] and a["previous"] == ""
+    b, _ = run(site, "activate", release_name="B")
+    assert b["current"] == b["id"] and b["previous"] == a["id"]
+    c, _ = run(site, "activate", release_name="C")
+    # only the current and the previous release stay on disk
+    assert sorted(p.name for p in (site / "releases").iterdir() if not p.is_symlink()) == sorted(
+        [b["id"], c["id"]]
+    )
+    back, _ = run(site, "rollback", release_name="C")
+    assert back["current"] == b["id"] and back["previous"] == c["id"]
+    assert (site / "releases" / "current" / "release.json").is_file()
+
+
+def test_a_missing_table_stops_with_what_to_do(site: Path) -> None:
+    (site / "table" / "table.json").unlink()
+    with pytest.raises(AssertionError, match="No published table at .*ple_table"):
+        run(site)
