@@ -14,8 +14,6 @@ Run: python bench/build.py [--table-gib 2] [--reps 3] [--workdir DIR] [--min-rat
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import json
 import mmap
 import os
@@ -27,10 +25,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sparkple.build import plan_build  # noqa: E402
+from sparkple.prefetch import resident_pages  # noqa: E402
 from sparkple.synth import synth_checkpoint, vocab_base_for_bytes  # noqa: E402
 
 # The floor: the same source bytes read in file order (8 MiB reads on a reader thread, as
@@ -86,40 +87,12 @@ HWM_LINE = (
 )
 
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-
-
 def resident_bytes(path: Path) -> int:
     """Bytes of the file in the page cache (mincore over a read-only mapping)."""
-    size = path.stat().st_size
-    if size == 0:
+    if path.stat().st_size == 0:
         return 0
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), "mmap failed")
-        try:
-            pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-            vec = ctypes.create_string_buffer(pages)
-            if _libc.mincore(addr, size, vec) != 0:
-                raise OSError(ctypes.get_errno(), "mincore failed")
-            return sum(b & 1 for b in vec.raw) * mmap.PAGESIZE
-        finally:
-            _libc.munmap(addr, size)
-    finally:
-        os.close(fd)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    return int(resident_pages(mapped.ctypes.data, mapped.nbytes).sum()) * mmap.PAGESIZE
 
 
 def evict(paths: list[Path]) -> int:
