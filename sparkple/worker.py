@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ from .prefetch import Prefetcher, PrefetchStats
 if TYPE_CHECKING:
     import torch
 
+    from .stats import PLEStats
     from .table import PackedTable
 
 _GEOMETRY_KEYS = ("total_rows", "num_heads", "head_dim", "eos_token_id", "ngram_size")
@@ -75,6 +77,8 @@ class GatherWorker:
     prefetch: True (a Prefetcher with defaults), False, or a Prefetcher to use.
     pin_memory: allocate staging as pinned host memory (needs torch with CUDA) so the GPU
       copy can be asynchronous.
+    stats: counters and the handshake-wait histogram to record into (sparkple.stats), which
+      the metrics exporter reads.
     """
 
     def __init__(
@@ -87,6 +91,7 @@ class GatherWorker:
         prefetch: bool | Prefetcher = True,
         pin_memory: bool = False,
         spin_s: float | None = None,
+        stats: PLEStats | None = None,
     ) -> None:
         if max_tokens < 1 or slots < 1:
             raise ValueError(f"max_tokens ({max_tokens}) and slots ({slots}) must be >= 1")
@@ -95,6 +100,7 @@ class GatherWorker:
         self.geometry = geometry
         self.max_tokens = max_tokens
         self.slots = slots
+        self.stats = stats
         shape = (slots, max_tokens, geometry.num_heads, table.row_width)
         self._pinned: torch.Tensor | None = None
         if pin_memory:
@@ -156,6 +162,7 @@ class GatherWorker:
 
     def _enqueue(self, seq: int, count: int, timeout_s: float, **work: Any) -> None:
         if count > self.max_tokens:
+            self._count("staging_overruns")
             raise ValueError(
                 f"step {seq} has {count} tokens, the staging holds {self.max_tokens}: "
                 "raise max_tokens to the scheduler's max_num_batched_tokens"
@@ -194,13 +201,21 @@ class GatherWorker:
                 info.tokens = ids.shape[0]
                 if self.prefetcher is not None:
                     info.prefetch = self.prefetcher.prefetch(ids)
+                    self._count("prefetch_calls")
+                    self._count("pages_prefetched", info.prefetch.issued_pages)
                 gather_rows(self.table.rows, ids, self.staging[job.slot, : ids.shape[0]])
+                self._count("gather_calls")
+                self._count("rows_gathered", ids.size)
             except Exception as exc:  # handed to the consumer of this step
                 info.error = exc
             with self._lock:
                 self._done[job.seq] = info
             self._publisher.publish(job.seq)
         self._publisher.close()
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        if self.stats is not None:
+            self.stats.add(name, amount)
 
     # ---------------------------------------------------------------- consumer side
 
@@ -213,7 +228,10 @@ class GatherWorker:
             job = self._held.get(seq)
         if job is None:
             raise HandshakeError(f"step {seq} was never submitted or is already released")
+        started = time.monotonic()
         self._waiter.wait(seq, timeout_s)
+        if self.stats is not None:
+            self.stats.observe_wait(time.monotonic() - started)
         with self._lock:
             info = self._done[seq]
         if info.error is not None:

@@ -17,6 +17,7 @@ from sparkple.errors import HandshakeError, ProducerDied, TableError
 from sparkple.ngram import row_ids
 from sparkple.nvfp4 import dequantize_rows
 from sparkple.prefetch import Prefetcher
+from sparkple.stats import PLEStats, StatsFile, parse
 from sparkple.table import open_table
 from sparkple.worker import GatherWorker
 
@@ -216,3 +217,30 @@ def test_pinned_staging_and_cuda_decode(table, built_table):
         want = dequantize_rows(direct_rows(table, ids), table.meta.global_scale)
         worker.release(1)  # waits for the async copy before the slot can be reused
         np.testing.assert_array_equal(on_gpu.cpu().numpy(), want)
+
+
+def test_worker_records_the_ple_counters_the_metrics_export(table, built_table, tmp_path):
+    g = built_table.geometry
+    rng = np.random.default_rng(7)
+    stats = PLEStats()
+    with GatherWorker(table, g, max_tokens=64, slots=2, stats=stats) as worker:
+        tokens = 0
+        for seq in (1, 2, 3):
+            batch = fresh_batch([random_request(rng, g, 40)], g)
+            worker.submit(seq, *batch)
+            worker.wait(seq, timeout_s=30)
+            worker.release(seq)
+            tokens += 40
+        with pytest.raises(ValueError, match="staging holds 64"):
+            worker.submit(4, *fresh_batch([random_request(rng, g, 65)], g))
+    writer = StatsFile(tmp_path, stats)
+    writer.write()
+    written = parse(writer.path.read_text())
+    counters = written["counters"]
+    assert counters["rows_gathered"] == tokens * g.num_heads
+    assert counters["gather_calls"] == 3
+    assert counters["prefetch_calls"] == 3
+    assert 0 < counters["pages_prefetched"] <= tokens * g.num_heads * 2
+    assert counters["staging_overruns"] == 1
+    wait = written["handshake_wait_seconds"]
+    assert wait["count"] == 3 and wait["sum"] > 0

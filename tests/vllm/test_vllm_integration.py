@@ -11,6 +11,7 @@ import pytest
 
 from sparkple import patching
 from sparkple.build import build_table
+from sparkple.stats import parse
 from sparkple.synth import synth_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,7 +33,8 @@ def run_equivalence(vllm_venv: Path, vllm_originals: Path, work: Path, device: s
     patching.render("vllm-0.33", vllm_originals, rendered)
     result_path = work / "result.json"
     # sparkple comes from this checkout, as the serving container's PYTHONPATH mount provides it
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # and the PLE counters go where the service mounts its stats directory
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SPARKPLE_STATS_DIR": str(work / "stats")}
     env.pop("VLLM_PLE_PACKED_TABLE_DIR", None)
     args = [str(vllm_venv), str(SCRIPT), device, str(rendered), str(result_path), *cases]
     proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=work)
@@ -40,6 +42,7 @@ def run_equivalence(vllm_venv: Path, vllm_originals: Path, work: Path, device: s
     results = json.loads(result_path.read_text())
     for result in results.values():
         result["rendered"] = str(rendered)
+        result["stats_dir"] = str(work / "stats")
     return results
 
 
@@ -124,6 +127,15 @@ def test_fp8_table_equals_stock(equivalence_fp8: dict) -> None:
         assert result[f"{dtype}_nonzero"]
         assert all(result[f"{dtype}_identical"]), result[f"{dtype}_max_abs_diff"]
     assert result["chunked_equals_whole"]
+
+
+def test_patched_backend_exports_its_ple_counters(equivalence: dict) -> None:
+    written = sorted(Path(equivalence["stats_dir"]).glob("ple-stats-*.json"))
+    assert len(written) == 1, written  # one serving process, one file
+    snapshot = parse(written[0].read_text())
+    assert snapshot["counters"]["rows_gathered"] > 0
+    assert snapshot["counters"]["gather_calls"] > 0
+    assert snapshot["handshake_wait_seconds"]["count"] == snapshot["counters"]["gather_calls"]
 
 
 def test_chunked_prefill_and_decode_equal_one_pass(equivalence: dict) -> None:
