@@ -1,33 +1,48 @@
 """sparkple lab server: a stand-in for vLLM in the lab's serving image. It is NOT vLLM.
 
 The lab target has no GB10 GPU, so the real engine cannot start. This server takes the
-place of the image's entrypoint so that the service, its bind mounts and its health gate
-are exercised for real:
+place of the image's entrypoint so that the service, its bind mounts, its health gate and
+the operations units are exercised for real. Like vLLM's OpenAI server it is two processes:
 
-- at start it opens the packed PLE table named by VLLM_PLE_PACKED_TABLE_DIR through
-  `sparkple.table` (the package bind-mounted read-only, as for vLLM), with the geometry of
-  the mounted model's config.json, and checks the patched vLLM files mounted over the
-  image's own against their manifest;
-- `GET /health` answers 200 only when both succeeded (503 with the reason otherwise);
-- `POST /v1/completions` turns the prompt's UTF-8 bytes into token ids, looks up their
-  PLE rows in the table (row ids from `sparkple.ngram`, the gather from `sparkple.gather`,
-  the NVFP4 decode from `sparkple.nvfp4`) and derives each next "token" from the decoded
-  rows. The text means nothing; the lookups are real.
+- the engine (a child process) checks the patched vLLM files mounted over the image's own
+  against their manifest, opens the packed PLE table named by VLLM_PLE_PACKED_TABLE_DIR
+  through `sparkple.table` (the package bind-mounted read-only, as for vLLM) with the geometry
+  of the mounted model's config.json, then serves completions on a unix socket: the prompt's
+  UTF-8 bytes become token ids, their PLE rows are looked up in the table (row ids from
+  `sparkple.ngram`, the gather from `sparkple.gather`, the NVFP4 decode from `sparkple.nvfp4`)
+  and each next "token" is derived from the decoded rows. The text means nothing; the
+  lookups are real.
+- the API front answers `GET /health` itself: 200 once the engine reported both checks good,
+  503 with the reason otherwise. It hands each `POST /v1/completions` to the engine and
+  answers 504 when the engine does not reply within --engine-timeout-s. So a stopped engine
+  (SIGSTOP) looks like a wedged vLLM engine: /health 200 while generations fail.
 
-It accepts vLLM's command line and uses --host, --port, --model and --served-model-name.
+SIGTERM stops both processes cleanly (exit 0). An engine that dies after it was ready makes
+the front exit 1, so that the service's supervisor sees a dead server.
+
+It accepts vLLM's command line and uses --host, --port, --model and --served-model-name, plus
+its own --engine-timeout-s.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import http.client
 import importlib.util
 import json
+import multiprocessing
 import os
+import shutil
 import signal
+import socket
+import socketserver
 import sys
+import tempfile
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +57,8 @@ from sparkple.table import PackedTable, open_table
 
 # The patch output directory the service mounts read-only next to the patched files.
 PATCH_DIR = Path(os.environ.get("SPARKPLE_PATCH_DIR", "/opt/sparkple/patches"))
+# Seconds a stopped engine gets to exit after SIGTERM before it is killed (docker's grace is 30).
+ENGINE_STOP_GRACE_S = 5.0
 
 
 def vllm_dir() -> Path:
@@ -116,11 +133,116 @@ class Engine:
         return out, bytes(out).decode("ascii")
 
 
+def log(message: str) -> None:
+    print(f"lab_server: {message}", flush=True)
+
+
+# --- the engine process ---------------------------------------------------------------------
+
+
+class EngineServer(socketserver.ThreadingUnixStreamServer):
+    daemon_threads = True
+
+    def __init__(self, path: str, engine: Engine) -> None:
+        self.engine = engine
+        super().__init__(path, EngineHandler)
+
+
+class EngineHandler(BaseHTTPRequestHandler):
+    """POST /complete {"prompt", "max_tokens"} -> {"tokens", "text", "rows_gathered", "table"}."""
+
+    server: EngineServer
+
+    def log_message(self, fmt: str, *args: Any) -> None:
+        pass  # the front logs each request
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        engine = self.server.engine
+        try:
+            req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
+            tokens, text = engine.complete(str(req["prompt"]), int(req["max_tokens"]))
+            code, body = (
+                200,
+                {
+                    "tokens": len(tokens),
+                    "text": text,
+                    "rows_gathered": engine.rows_gathered,
+                    "table": str(engine.table.meta.data_file),
+                },
+            )
+        except Exception as exc:  # noqa: BLE001 - any failure is the front's 500, not a dead engine
+            code, body = 500, {"error": f"engine: {type(exc).__name__}: {exc}"}
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def engine_main(model_dir: Path, socket_path: str, ready: Connection) -> None:
+    """The engine process: check the patches, open the table, tell the front, serve."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        patches = check_patches()
+        table_dir = os.environ.get("VLLM_PLE_PACKED_TABLE_DIR", "")
+        if not table_dir:
+            raise SparkpleError("VLLM_PLE_PACKED_TABLE_DIR is not set")
+        server = EngineServer(socket_path, Engine(model_dir, Path(table_dir)))
+    except (SparkpleError, OSError, KeyError, ValueError) as exc:
+        ready.send({"problem": f"{type(exc).__name__}: {exc}"})
+        sys.exit(1)
+    log(f"engine (pid {os.getpid()}): {patches}; table {table_dir} open")
+    ready.send({"patches": patches})
+    server.serve_forever()
+
+
+# --- the API front --------------------------------------------------------------------------
+
+
+class EngineConnection(http.client.HTTPConnection):
+    """HTTP to the engine over its unix socket; every send and receive is bounded by timeout."""
+
+    def __init__(self, socket_path: str, timeout: float) -> None:
+        super().__init__("lab-engine", timeout=timeout)
+        self.socket_path = socket_path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.socket_path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
 class State:
-    engine: Engine | None = None
-    problem: str = "starting"
+    ready: bool = False
+    problem: str = "starting: the engine is opening the table"
     model: str = ""
     patches: str = ""
+    socket_path: str = ""
+    engine_timeout_s: float = 30.0
+    stopping: bool = False
+    exit_code: int = 0
+
+
+def ask_engine(state: State, prompt: str, max_tokens: int) -> tuple[int, dict[str, Any]]:
+    """(status, body) of the engine's reply; 504 when it does not answer in time."""
+    conn = EngineConnection(state.socket_path, state.engine_timeout_s)
+    try:
+        body = json.dumps({"prompt": prompt, "max_tokens": max_tokens})
+        conn.request("POST", "/complete", body, {"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        return reply.status, json.loads(reply.read())
+    except TimeoutError:
+        return 504, {"error": f"the engine did not answer within {state.engine_timeout_s} s"}
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        return 503, {"error": f"the engine is unreachable: {type(exc).__name__}: {exc}"}
+    finally:
+        conn.close()
 
 
 def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
@@ -145,10 +267,10 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             if self.path == "/health":
-                if state.engine is None:
-                    self._send(503, {"error": state.problem})
-                else:
+                if state.ready:
                     self._send(200, {"status": "ok", "patches": state.patches})
+                else:
+                    self._send(503, {"error": state.problem})
             elif self.path == "/v1/models":
                 if self._authorized():
                     self._send(200, {"object": "list", "data": [{"id": state.model}]})
@@ -161,7 +283,7 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
                 return
             if not self._authorized():
                 return
-            if state.engine is None:
+            if not state.ready:
                 self._send(503, {"error": state.problem})
                 return
             try:
@@ -174,7 +296,10 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
             if not 1 <= max_tokens <= 256:
                 self._send(400, {"error": "max_tokens must be in 1..256"})
                 return
-            tokens, text = state.engine.complete(prompt, max_tokens)
+            code, done = ask_engine(state, prompt, max_tokens)
+            if code != 200:
+                self._send(code, done)
+                return
             prompt_tokens = max(1, len(prompt.encode("utf-8")))
             self._send(
                 200,
@@ -183,21 +308,56 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
                     "object": "text_completion",
                     "created": int(time.time()),
                     "model": state.model,
-                    "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+                    "choices": [{"index": 0, "text": done["text"], "finish_reason": "length"}],
                     "usage": {
                         "prompt_tokens": prompt_tokens,
-                        "completion_tokens": len(tokens),
-                        "total_tokens": prompt_tokens + len(tokens),
+                        "completion_tokens": done["tokens"],
+                        "total_tokens": prompt_tokens + done["tokens"],
                     },
                     "sparkple_lab": {
                         "stand_in": "sparkple lab server, not vLLM",
-                        "ple_rows_gathered": state.engine.rows_gathered,
-                        "table": str(state.engine.table.meta.data_file),
+                        "ple_rows_gathered": done["rows_gathered"],
+                        "table": done["table"],
                     },
                 },
             )
 
     return Handler
+
+
+def watch_engine(
+    state: State, engine: multiprocessing.process.BaseProcess, ready: Connection, server: Any
+) -> None:
+    """Take the engine's startup report; once it was ready, its death stops the front."""
+    try:
+        report = ready.recv()
+    except EOFError:
+        report = {"problem": "the engine exited before it reported"}
+    if "problem" in report:
+        # the server stays up with /health 503 and the reason, for the health gate to show
+        state.problem = report["problem"]
+        log(f"not healthy: {state.problem}")
+        engine.join()
+        return
+    state.patches, state.problem, state.ready = report["patches"], "", True
+    engine.join()
+    if not state.stopping:
+        state.ready, state.problem = False, f"the engine exited with code {engine.exitcode}"
+        log(f"{state.problem}; stopping")
+        state.exit_code = 1
+        server.shutdown()
+
+
+def stop_engine(engine: multiprocessing.process.BaseProcess) -> None:
+    if engine.is_alive() and engine.pid is not None:
+        engine.terminate()
+        # a stopped (SIGSTOPped) engine acts on SIGTERM only once continued, as systemd does
+        os.kill(engine.pid, signal.SIGCONT)
+        engine.join(ENGINE_STOP_GRACE_S)
+    if engine.is_alive():
+        log(f"the engine did not exit within {ENGINE_STOP_GRACE_S} s of SIGTERM; killing it")
+        engine.kill()
+    engine.join()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,28 +366,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model", required=True)
     parser.add_argument("--served-model-name", default=None)
+    parser.add_argument(
+        "--engine-timeout-s", type=float, default=30.0, help="504 when the engine takes longer"
+    )
     args, ignored = parser.parse_known_args(argv)
+    if args.engine_timeout_s <= 0:
+        parser.error("--engine-timeout-s must be > 0")
+
     # PID 1 in a container ignores SIGTERM unless it handles it: `docker stop` must stop us,
-    # also while the table is being opened
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # also while the engine starts. SystemExit unwinds to the `finally` that stops the engine.
+    def on_sigterm(*_: Any) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     state = State()
     state.model = args.served_model_name or args.model
-    print(f"lab_server: a stand-in for vLLM; ignoring vLLM flags {ignored}", flush=True)
+    state.engine_timeout_s = args.engine_timeout_s
+    log(f"a stand-in for vLLM; ignoring vLLM flags {ignored}")
+    socket_dir = tempfile.mkdtemp(prefix="sparkple-lab-")
+    state.socket_path = os.path.join(socket_dir, "engine.sock")
+    # fork before any thread or listening socket exists, so the engine inherits neither
+    mp = multiprocessing.get_context("fork")
+    ready_rx, ready_tx = mp.Pipe(duplex=False)
+    engine = mp.Process(
+        target=engine_main, args=(Path(args.model), state.socket_path, ready_tx), name="engine"
+    )
+    engine.start()
+    ready_tx.close()
     try:
-        state.patches = check_patches()
-        table_dir = os.environ.get("VLLM_PLE_PACKED_TABLE_DIR", "")
-        if not table_dir:
-            raise SparkpleError("VLLM_PLE_PACKED_TABLE_DIR is not set")
-        state.engine = Engine(Path(args.model), Path(table_dir))
-        state.problem = ""
-        print(f"lab_server: {state.patches}; table {table_dir} open", flush=True)
-    except (SparkpleError, OSError, KeyError, ValueError) as exc:
-        state.problem = f"{type(exc).__name__}: {exc}"
-        print(f"lab_server: not healthy: {state.problem}", file=sys.stderr, flush=True)
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(state))
-    print(f"lab_server: listening on {args.host}:{args.port}", flush=True)
-    server.serve_forever()
-    return 0
+        server = ThreadingHTTPServer((args.host, args.port), make_handler(state))
+        server.daemon_threads = True
+        threading.Thread(
+            target=watch_engine, args=(state, engine, ready_rx, server), daemon=True
+        ).start()
+        log(f"listening on {args.host}:{args.port}, engine pid {engine.pid}")
+        server.serve_forever()
+    finally:
+        state.stopping = True
+        stop_engine(engine)
+        shutil.rmtree(socket_dir, ignore_errors=True)
+    return state.exit_code
 
 
 if __name__ == "__main__":
