@@ -17,8 +17,8 @@ the operations units are exercised for real. Like vLLM's OpenAI server it is two
   answers 504 when the engine does not reply within --engine-timeout-s. So a stopped engine
   (SIGSTOP) looks like a wedged vLLM engine: /health 200 while generations fail.
 
-SIGTERM stops both processes cleanly (exit 0). An engine that dies after it was ready makes
-the front exit 1, so that the service's supervisor sees a dead server.
+SIGTERM, to the front or to both processes, stops both cleanly (exit 0). An engine that dies
+otherwise after it was ready makes the front exit 1, so that the supervisor sees a dead server.
 
 It accepts vLLM's command line and uses --host, --port, --model and --served-model-name, plus
 its own --engine-timeout-s.
@@ -344,7 +344,9 @@ def watch_engine(
     if not state.stopping:
         state.ready, state.problem = False, f"the engine exited with code {engine.exitcode}"
         log(f"{state.problem}; stopping")
-        state.exit_code = 1
+        # exit 0 is a stop asked for (SIGTERM to the whole service, as systemd sends it); any
+        # other end is a dead engine, which the supervisor must see
+        state.exit_code = 0 if engine.exitcode == 0 else 1
         server.shutdown()
 
 

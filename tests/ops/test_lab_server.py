@@ -166,6 +166,24 @@ def test_sigterm_stops_front_and_a_stopped_engine_cleanly(lab_server) -> None:
     assert gone(engine)
 
 
+def test_sigterm_to_both_processes_is_a_clean_stop(lab_server) -> None:
+    """systemd's stop sends SIGTERM to every process of the unit at once."""
+    front, port = lab_server()
+    wait_for(lambda: health(port) == 200, 30, "/health 200")
+    engine = engine_of(front)
+    os.kill(engine, signal.SIGTERM)
+    front.send_signal(signal.SIGTERM)
+    assert front.wait(10) == 0
+    assert gone(engine)
+
+
+def test_engine_stopped_alone_stops_the_front_cleanly(lab_server) -> None:
+    front, port = lab_server()
+    wait_for(lambda: health(port) == 200, 30, "/health 200")
+    os.kill(engine_of(front), signal.SIGTERM)
+    assert front.wait(10) == 0
+
+
 def test_sigterm_while_starting(lab_server) -> None:
     front, port = lab_server()
     front.send_signal(signal.SIGTERM)
