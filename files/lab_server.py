@@ -42,7 +42,7 @@ import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
@@ -227,6 +227,8 @@ class State:
     engine_timeout_s: float = 30.0
     stopping: bool = False
     exit_code: int = 0
+    # one thread at a time reaps the engine: two waitpid()s race, and one sees it still alive
+    reap_lock = threading.Lock()
 
 
 def ask_engine(state: State, prompt: str, max_tokens: int) -> tuple[int, dict[str, Any]]:
@@ -325,6 +327,12 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+def wait_for_exit(state: State, engine: multiprocessing.process.BaseProcess) -> None:
+    wait([engine.sentinel])  # readable once it exits; no waitpid() here
+    with state.reap_lock:
+        engine.join()
+
+
 def watch_engine(
     state: State, engine: multiprocessing.process.BaseProcess, ready: Connection, server: Any
 ) -> None:
@@ -337,10 +345,10 @@ def watch_engine(
         # the server stays up with /health 503 and the reason, for the health gate to show
         state.problem = report["problem"]
         log(f"not healthy: {state.problem}")
-        engine.join()
+        wait_for_exit(state, engine)
         return
     state.patches, state.problem, state.ready = report["patches"], "", True
-    engine.join()
+    wait_for_exit(state, engine)
     if not state.stopping:
         state.ready, state.problem = False, f"the engine exited with code {engine.exitcode}"
         log(f"{state.problem}; stopping")
@@ -350,16 +358,17 @@ def watch_engine(
         server.shutdown()
 
 
-def stop_engine(engine: multiprocessing.process.BaseProcess) -> None:
-    if engine.is_alive() and engine.pid is not None:
-        engine.terminate()
-        # a stopped (SIGSTOPped) engine acts on SIGTERM only once continued, as systemd does
-        os.kill(engine.pid, signal.SIGCONT)
-        engine.join(ENGINE_STOP_GRACE_S)
-    if engine.is_alive():
-        log(f"the engine did not exit within {ENGINE_STOP_GRACE_S} s of SIGTERM; killing it")
-        engine.kill()
-    engine.join()
+def stop_engine(state: State, engine: multiprocessing.process.BaseProcess) -> None:
+    with state.reap_lock:
+        if engine.is_alive() and engine.pid is not None:
+            engine.terminate()
+            # a stopped (SIGSTOPped) engine acts on SIGTERM only once continued, as systemd does
+            os.kill(engine.pid, signal.SIGCONT)
+            engine.join(ENGINE_STOP_GRACE_S)
+        if engine.is_alive():
+            log(f"the engine did not exit within {ENGINE_STOP_GRACE_S} s of SIGTERM; killing it")
+            engine.kill()
+        engine.join()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -405,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         server.serve_forever()
     finally:
         state.stopping = True
-        stop_engine(engine)
+        stop_engine(state, engine)
         shutil.rmtree(socket_dir, ignore_errors=True)
     return state.exit_code
 
