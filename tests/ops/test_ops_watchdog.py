@@ -147,7 +147,8 @@ def test_no_marker_when_the_service_is_not_running(tmp_path, procs):
     wait_for(lambda: "service is not running" in output(wd), 10, "the watchdog to notice")
     assert markers(state, "emergency") == []
     assert not (tmp_path / "stopped").exists()
-    status = read_json(state / "watchdog.json")
+    # the state file is written just after that log line
+    status = wait_for(lambda: read_json(state / "watchdog.json"), 10, "the watchdog's state file")
     assert status["trips"] == 0 and status["mem_available_bytes"] > 0
 
 
