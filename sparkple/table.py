@@ -98,22 +98,7 @@ class PackedTable:
 
     def geometry(self) -> PLEGeometry:
         """The PLE geometry this table was built for (as recorded in its metadata)."""
-        m = self.meta
-        return PLEGeometry(
-            ngram_size=m.ngram_size,
-            heads_per_ngram=m.heads_per_ngram,
-            num_heads=m.num_heads,
-            head_dim=m.head_dim,
-            head_sizes=tuple(m.head_sizes),
-            head_offsets=tuple(m.head_offsets),
-            addressed_rows=sum(m.head_sizes),
-            total_rows=m.total_rows,
-            shards=m.shards,
-            rows_per_shard=m.rows_per_shard,
-            eos_token_id=m.eos_token_id,
-            vocab_size=m.vocab_size,
-            multipliers=tuple(m.multipliers),
-        )
+        return self.meta.geometry()
 
     def torch_view(self) -> torch.Tensor:
         """The rows as a torch.uint8 [total_rows, row_width] tensor sharing the mapping.

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import TableError
+from .geometry import PLEGeometry
 
 META_NAME = "table.json"
 FORMAT_VERSION = 1
@@ -22,8 +23,31 @@ DATA_PREFIX = "rows-"
 DATA_SUFFIX = ".bin"
 
 
+# The metadata fields that record the PLE geometry (tuples in PLEGeometry, lists in JSON).
+GEOMETRY_FIELDS = (
+    "total_rows",
+    "rows_per_shard",
+    "shards",
+    "num_heads",
+    "head_dim",
+    "head_sizes",
+    "head_offsets",
+    "ngram_size",
+    "heads_per_ngram",
+    "eos_token_id",
+    "vocab_size",
+    "multipliers",
+)
+
+
 def data_name(build_id: str) -> str:
     return f"{DATA_PREFIX}{build_id}{DATA_SUFFIX}"
+
+
+def geometry_fields(geometry: PLEGeometry) -> dict[str, Any]:
+    """The TableMeta keyword arguments that record `geometry`."""
+    values = {name: getattr(geometry, name) for name in GEOMETRY_FIELDS}
+    return {name: list(v) if isinstance(v, tuple) else v for name, v in values.items()}
 
 
 @dataclass
@@ -68,6 +92,12 @@ class TableMeta:
 
     def data_path(self, table_dir: str | os.PathLike[str]) -> Path:
         return Path(table_dir) / self.data_file
+
+    def geometry(self) -> PLEGeometry:
+        """The PLE geometry this table was built for."""
+        values = {name: getattr(self, name) for name in GEOMETRY_FIELDS}
+        values = {name: tuple(v) if isinstance(v, list) else v for name, v in values.items()}
+        return PLEGeometry(addressed_rows=sum(self.head_sizes), **values)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
