@@ -117,6 +117,15 @@ def _require(data: dict, key: str, kind: type, where: str) -> Any:
     return data[key]
 
 
+def _require_choice(data: dict, key: str, choices: tuple[str, ...], where: str) -> str:
+    if not isinstance(data, dict):
+        raise PatchError(f"{where} must be a mapping")
+    value = _require(data, key, str, where)
+    if value not in choices:
+        raise PatchError(f"{where}: {key} must be one of {', '.join(choices)}")
+    return value
+
+
 def resolve_profile_dir(profile: str | os.PathLike[str]) -> Path:
     """A profile is named (`vllm-0.33`, looked up under templates/vllm/) or given as a path."""
     text = os.fspath(profile)
@@ -156,11 +165,7 @@ def load_profile(profile: str | os.PathLike[str]) -> Profile:
         parsed = []
         for i, item in enumerate(items):
             ewhere = f"{where}: edits[{rel!r}][{i}]"
-            if not isinstance(item, dict):
-                raise PatchError(f"{ewhere} must be a mapping")
-            mode = _require(item, "mode", str, ewhere)
-            if mode not in EDIT_MODES:
-                raise PatchError(f"{ewhere}: mode must be one of {', '.join(EDIT_MODES)}")
+            mode = _require_choice(item, "mode", EDIT_MODES, ewhere)
             parsed.append(
                 Edit(
                     anchor=_require(item, "anchor", str, ewhere),
@@ -176,14 +181,9 @@ def load_profile(profile: str | os.PathLike[str]) -> Profile:
     variables = {}
     for name, spec in _require(data, "variables", dict, where).items():
         vwhere = f"{where}: variables[{name!r}]"
-        if not isinstance(spec, dict):
-            raise PatchError(f"{vwhere} must be a mapping")
-        vtype = _require(spec, "type", str, vwhere)
-        if vtype not in VAR_TYPES:
-            raise PatchError(f"{vwhere}: type must be one of {', '.join(VAR_TYPES)}")
         var = Variable(
             name=name,
-            type=vtype,
+            type=_require_choice(spec, "type", VAR_TYPES, vwhere),
             default=spec.get("default"),
             description=_require(spec, "description", str, vwhere),
             min=spec.get("min"),
