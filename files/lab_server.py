@@ -140,6 +140,15 @@ def log(message: str) -> None:
 # --- the engine process ---------------------------------------------------------------------
 
 
+def send_json(handler: BaseHTTPRequestHandler, code: int, body: dict[str, Any]) -> None:
+    data = json.dumps(body).encode()
+    handler.send_response(code)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 class EngineServer(socketserver.ThreadingUnixStreamServer):
     daemon_threads = True
 
@@ -172,12 +181,7 @@ class EngineHandler(BaseHTTPRequestHandler):
             )
         except Exception as exc:  # noqa: BLE001 - any failure is the front's 500, not a dead engine
             code, body = 500, {"error": f"engine: {type(exc).__name__}: {exc}"}
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, code, body)
 
 
 def engine_main(model_dir: Path, socket_path: str, ready: Connection) -> None:
@@ -252,58 +256,51 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
         def log_message(self, fmt: str, *args: Any) -> None:
             sys.stderr.write("lab_server: " + (fmt % args) + "\n")
 
-        def _send(self, code: int, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
         def _authorized(self) -> bool:
             key = os.environ.get("VLLM_API_KEY", "")
             if key and self.headers.get("Authorization", "") != f"Bearer {key}":
-                self._send(401, {"error": "missing or wrong API key"})
+                send_json(self, 401, {"error": "missing or wrong API key"})
                 return False
             return True
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             if self.path == "/health":
                 if state.ready:
-                    self._send(200, {"status": "ok", "patches": state.patches})
+                    send_json(self, 200, {"status": "ok", "patches": state.patches})
                 else:
-                    self._send(503, {"error": state.problem})
+                    send_json(self, 503, {"error": state.problem})
             elif self.path == "/v1/models":
                 if self._authorized():
-                    self._send(200, {"object": "list", "data": [{"id": state.model}]})
+                    send_json(self, 200, {"object": "list", "data": [{"id": state.model}]})
             else:
-                self._send(404, {"error": f"no route {self.path}"})
+                send_json(self, 404, {"error": f"no route {self.path}"})
 
         def do_POST(self) -> None:  # noqa: N802
             if self.path != "/v1/completions":
-                self._send(404, {"error": f"no route {self.path}"})
+                send_json(self, 404, {"error": f"no route {self.path}"})
                 return
             if not self._authorized():
                 return
             if not state.ready:
-                self._send(503, {"error": state.problem})
+                send_json(self, 503, {"error": state.problem})
                 return
             try:
                 req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
                 prompt = str(req.get("prompt", ""))
                 max_tokens = int(req.get("max_tokens", 16))
             except (ValueError, TypeError) as exc:
-                self._send(400, {"error": f"bad request body: {exc}"})
+                send_json(self, 400, {"error": f"bad request body: {exc}"})
                 return
             if not 1 <= max_tokens <= 256:
-                self._send(400, {"error": "max_tokens must be in 1..256"})
+                send_json(self, 400, {"error": "max_tokens must be in 1..256"})
                 return
             code, done = ask_engine(state, prompt, max_tokens)
             if code != 200:
-                self._send(code, done)
+                send_json(self, code, done)
                 return
             prompt_tokens = max(1, len(prompt.encode("utf-8")))
-            self._send(
+            send_json(
+                self,
                 200,
                 {
                     "id": f"cmpl-lab-{time.time_ns()}",
