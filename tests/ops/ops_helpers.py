@@ -84,6 +84,14 @@ class Standin:
         extra = ("--port", self.port) if command == "start" else ()
         return standin_cmd(command, self.dir, *extra)
 
+    def watchdog_args(self) -> list[str]:
+        """The watchdog's service commands (is it running, its log, stop it) for this stand-in."""
+        return [
+            "--running-cmd", self.cmd("is-active"),
+            "--logs-cmd", f"cat {self.dir / 'server.log'}",
+            "--stop-cmd", self.cmd("stop"),
+        ]  # fmt: skip
+
     def kill_all(self) -> None:
         for which in ("engine", "front"):
             try:

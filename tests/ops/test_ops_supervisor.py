@@ -53,12 +53,7 @@ def test_relaunch_with_backoff_until_the_breaker_opens_then_reset(tmp_path, stan
             0.2,
             "--avail-floor-mib",
             2 * meminfo_mib("MemTotal"),
-            "--running-cmd",
-            standin.cmd("is-active"),
-            "--logs-cmd",
-            f"cat {standin.dir / 'server.log'}",
-            "--stop-cmd",
-            standin.cmd("stop"),
+            *standin.watchdog_args(),
         )  # fmt: skip
     )
     wait_for(lambda: sup_state(state).get("state") == "breaker-open", 30, "the breaker")

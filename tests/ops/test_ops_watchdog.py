@@ -29,6 +29,15 @@ def above_real_memory() -> int:
     return 2 * meminfo_mib("MemTotal")
 
 
+def finished_emergency(state: Path, timeout_s: float) -> dict:
+    """The first emergency marker whose stop attempt has finished (stopped or not)."""
+    return wait_for(
+        lambda: [m for m in markers(state, "emergency") if m.get("stopped") is not None],
+        timeout_s,
+        "an emergency stop to finish",
+    )[0]
+
+
 def test_trips_after_debounce_archives_log_and_stops_the_service(tmp_path, standin, procs):
     standin.start()
     state = tmp_path / "state"
@@ -38,19 +47,10 @@ def test_trips_after_debounce_archives_log_and_stops_the_service(tmp_path, stand
             state,
             "--avail-floor-mib",
             above_real_memory(),
-            "--running-cmd",
-            standin.cmd("is-active"),
-            "--logs-cmd",
-            f"cat {standin.dir / 'server.log'}",
-            "--stop-cmd",
-            standin.cmd("stop"),
+            *standin.watchdog_args(),
         )  # fmt: skip
     )
-    marker = wait_for(
-        lambda: [m for m in markers(state, "emergency") if m.get("stopped") is not None],
-        15,
-        "the stop to finish",
-    )[0]
+    marker = finished_emergency(state, 15)
     elapsed = time.monotonic() - started
 
     readings = marker["readings"]
@@ -167,11 +167,7 @@ def test_a_failing_stop_is_recorded(tmp_path, procs):
             "false",
         )  # fmt: skip
     )
-    marker = wait_for(
-        lambda: [m for m in markers(state, "emergency") if m.get("stopped") is not None],
-        10,
-        "a marker",
-    )[0]
+    marker = finished_emergency(state, 10)
     assert marker["stopped"] is False and marker["stop_exit"] == 1
     assert marker["log_archive"] is None and marker["log_archive_error"] == "exit 127"
 
