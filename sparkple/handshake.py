@@ -20,11 +20,13 @@ instead of waiting out its timeout.
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .errors import HandshakeError, HandshakeTimeout, ProducerDied
@@ -79,7 +81,11 @@ class _Timespec(ctypes.Structure):
 
 
 class _Futex:
-    """FUTEX_WAIT / FUTEX_WAKE on a 32-bit word of a shared mapping (not process-private)."""
+    """FUTEX_WAIT / FUTEX_WAKE on a 32-bit word of a shared mapping (not process-private).
+
+    The calls are built once per word: a publish runs right after the producer's copy, often
+    with cold caches, and argument conversion through ctypes was the largest part of it.
+    """
 
     _NR = {"x86_64": 202, "aarch64": 98}
     _WAIT, _WAKE = 0, 1
@@ -93,18 +99,30 @@ class _Futex:
     def usable(self) -> bool:
         return self.nr >= 0
 
-    def wait(self, address: int, expected: int, timeout_s: float) -> None:
-        """Sleep until woken or timeout_s passes, unless the word no longer holds expected."""
-        ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
-        # The GIL is released for the call (ctypes.CDLL): other threads run meanwhile.
-        self._syscall(self.nr, ctypes.c_void_p(address), self._WAIT,
-                      ctypes.c_uint32(expected), ctypes.byref(ts), None, 0)  # fmt: skip
+    def waker(self, address: int) -> Callable[[], object]:
+        """A call that wakes every waiter sleeping on the word at `address`."""
+        word, everyone = ctypes.c_void_p(address), 0x7FFFFFFF
+        return functools.partial(self._syscall, self.nr, word, self._WAKE, everyone, None, None, 0)
 
-    def wake_all(self, address: int) -> None:
-        self._syscall(self.nr, ctypes.c_void_p(address), self._WAKE, 0x7FFFFFFF, None, None, 0)
+    def sleeper(self, address: int) -> Callable[[int, float], object]:
+        """`sleep(expected, timeout_s)`: sleep until woken or timeout_s passes, unless the
+        word at `address` no longer holds `expected`. The GIL is released meanwhile."""
+        word, timeout = ctypes.c_void_p(address), _Timespec()
+        timeout_ref = ctypes.byref(timeout)
+
+        def sleep(expected: int, timeout_s: float) -> None:
+            timeout.tv_sec, timeout.tv_nsec = int(timeout_s), int((timeout_s % 1) * 1e9)
+            value = ctypes.c_uint32(expected)
+            self._syscall(self.nr, word, self._WAIT, value, timeout_ref, None, 0)
+
+        return sleep
 
 
 _FUTEX = _Futex()
+
+
+def _no_wake() -> None:
+    """Where futexes are unavailable waiters poll: there is nobody to wake."""
 
 
 class SeqFlag:
@@ -195,6 +213,7 @@ class Publisher:
 
     def __init__(self, flag: SeqFlag) -> None:
         self.flag = flag
+        self._wake = _FUTEX.waker(flag._address) if _FUTEX.usable else _no_wake
         self.claim()
 
     def claim(self) -> None:
@@ -207,22 +226,20 @@ class Publisher:
         self.flag._set(_STATE, _STATE_LIVE)
 
     def publish(self, seq: int) -> None:
-        current = self.flag.value
-        if seq <= current:
+        slots = self.flag._slots
+        if seq <= slots[_SEQ]:
             raise HandshakeError(
-                f"publish({seq}) but the flag is already at {current}: sequence numbers only "
-                "move forward; the caller reused or reordered a step number"
+                f"publish({seq}) but the flag is already at {slots[_SEQ]}: sequence numbers "
+                "only move forward; the caller reused or reordered a step number"
             )
         _ordering_fence()
-        self.flag._set(_SEQ, seq)
-        if _FUTEX.usable:
-            _FUTEX.wake_all(self.flag._address)
+        slots[_SEQ] = seq
+        self._wake()
 
     def close(self) -> None:
         """Tell waiters that nothing more will be published (they get ProducerDied)."""
         self.flag._set(_STATE, _STATE_CLOSED)
-        if _FUTEX.usable:
-            _FUTEX.wake_all(self.flag._address)
+        self._wake()
 
 
 class Waiter:
@@ -242,6 +259,7 @@ class Waiter:
         liveness_every_s: float = _LIVENESS_EVERY_S,
     ) -> None:
         self.flag = flag
+        self._sleep = _FUTEX.sleeper(flag._address) if _FUTEX.usable else None
         self.spin_s = spin_s
         self.liveness_every_s = liveness_every_s
         self.last_seq = 0
@@ -284,8 +302,8 @@ class Waiter:
             if now >= deadline:
                 raise HandshakeTimeout(seq, value, now - start)
             pause = min(next_check, deadline) - now
-            if _FUTEX.usable:
-                _FUTEX.wait(self.flag._address, value & 0xFFFFFFFF, min(pause, _SLEEP_STEP_S))
+            if self._sleep is not None:
+                self._sleep(value & 0xFFFFFFFF, min(pause, _SLEEP_STEP_S))
             else:
                 time.sleep(min(pause, _POLL_STEP_S))
 
