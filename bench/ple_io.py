@@ -108,10 +108,15 @@ def ensure_table(work: Path, gib: float, keep_snapshot: bool) -> tuple[Path, boo
 
 
 def make_cold(table: PackedTable) -> None:
-    table.evict()
-    left = table.resident_fraction()
-    if left > 0:
-        raise RuntimeError(f"{left:.1%} of the table stayed resident after eviction")
+    # Pages still under read I/O (readahead a `normal` run started) cannot be dropped until
+    # it completes: evict again for up to 2 s before calling the table warm.
+    for _ in range(20):
+        table.evict()
+        left = table.resident_fraction()
+        if left == 0:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"{left:.1%} of the table stayed resident after eviction")
 
 
 def make_warm(table: PackedTable, ids: np.ndarray) -> None:
@@ -473,7 +478,7 @@ from sparkple.handshake import Publisher, SeqFlag
 mode, delays = sys.argv[2], np.load(sys.argv[3])
 if sys.argv[6] == "rt":
     os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
-stamps = np.memmap(sys.argv[4], dtype=np.int64, mode="r+")
+stamps = np.zeros(len(delays) + 1, dtype=np.int64)
 if mode == "shm":
     flag = SeqFlag.attach(sys.argv[5])
     pub = Publisher(flag)
@@ -484,24 +489,25 @@ for i, delay in enumerate(delays.tolist(), start=1):
     time.sleep(delay)  # the stamp is taken after waking: only the publish-to-observe counts
     now = time.perf_counter_ns()
     if mode == "shm":
-        stamps[i] = now
         pub.publish(i)
     else:
-        os.write(wfd, now.to_bytes(8, "little"))
-time.sleep(0.5)
+        os.write(wfd, b"!")
+    stamps[i] = now  # kept here until the end, so no side channel sits in the timed path
+stamps.tofile(sys.argv[4])
 """
 
 
 def _handshake_run(mode: str, delays: np.ndarray, work: Path, rt: bool = False) -> np.ndarray:
     """Publish-to-observe latencies (s) for each delay; `mode` is shm (sparkple) or pipe.
 
+    Both sides read the same clock (CLOCK_MONOTONIC): the producer stamps just before it
+    publishes, the waiter just after it observes; the producer hands its stamps over at exit.
     rt: run both sides SCHED_FIFO, so CPU contention from other processes drops out and the
     figure is the mechanism's own.
     """
     np.save(work / "delays.npy", delays)
     stamps_path = work / "stamps.bin"
-    np.zeros(len(delays) + 1, dtype=np.int64).tofile(stamps_path)
-    stamps = np.memmap(stamps_path, dtype=np.int64, mode="r")
+    stamps_path.unlink(missing_ok=True)
     flag = SeqFlag.create() if mode == "shm" else None
     rfd, wfd = os.pipe()
     target = str(flag.path) if flag is not None else str(wfd)
@@ -513,7 +519,7 @@ def _handshake_run(mode: str, delays: np.ndarray, work: Path, rt: bool = False) 
         text=True,
     )  # fmt: skip
     os.close(wfd)
-    lat = np.empty(len(delays))
+    seen = np.empty(len(delays) + 1, dtype=np.int64)
     policy = os.sched_getscheduler(0), os.sched_getparam(0)
     try:
         if rt:
@@ -526,19 +532,19 @@ def _handshake_run(mode: str, delays: np.ndarray, work: Path, rt: bool = False) 
         for i in range(1, len(delays) + 1):
             if waiter is not None:
                 waiter.wait(i, timeout_s=10)
-                seen = time.perf_counter_ns()
-                lat[i - 1] = (seen - int(stamps[i])) / 1e9
             else:
-                data = os.read(rfd, 8)
-                seen = time.perf_counter_ns()
-                lat[i - 1] = (seen - int.from_bytes(data, "little")) / 1e9
+                os.read(rfd, 1)
+            seen[i] = time.perf_counter_ns()
     finally:
         os.sched_setscheduler(0, *policy)
         proc.wait(timeout=30)
         os.close(rfd)
         if flag is not None:
             flag.close()
-    return lat
+    if proc.returncode != 0:
+        raise RuntimeError(f"the handshake producer ({mode}) exited {proc.returncode}")
+    stamps = np.fromfile(stamps_path, dtype=np.int64)
+    return (seen[1:] - stamps[1:]) / 1e9
 
 
 def _idle_cpu(wait_s: float) -> float:
@@ -562,6 +568,7 @@ def bench_handshake(n: int, rng) -> dict[str, Any]:
         shm = _handshake_run("shm", step, work)
         pipe = _handshake_run("pipe", step, work)
         shm_long = _handshake_run("shm", long, work)
+        pipe_long = _handshake_run("pipe", long, work)
         try:
             shm_rt = _handshake_run("shm", step, work, rt=True)
             pipe_rt = _handshake_run("pipe", step, work, rt=True)
@@ -576,6 +583,8 @@ def bench_handshake(n: int, rng) -> dict[str, Any]:
         "pipe_p99_us": pct(pipe, 99) * us,
         "handshake_after_20ms_p50_us": pct(shm_long, 50) * us,
         "handshake_after_20ms_p99_us": pct(shm_long, 99) * us,
+        "pipe_after_20ms_p50_us": pct(pipe_long, 50) * us,
+        "pipe_after_20ms_p99_us": pct(pipe_long, 99) * us,
         "handshake_rt_p50_us": pct(shm_rt, 50) * us if shm_rt is not None else None,
         "handshake_rt_p99_us": pct(shm_rt, 99) * us if shm_rt is not None else None,
         "pipe_rt_p99_us": pct(pipe_rt, 99) * us if pipe_rt is not None else None,
@@ -611,15 +620,8 @@ def write_plots(result: dict[str, Any], json_path: Path) -> list[str]:
     ax.set_title("Decode I/O per advice mode (cold table)")
     paths.append(_save(fig, f"{stem}-decode-bytes.png"))
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, samples in result["decode_latency"]["samples_ms"].items():
-        s = np.sort(samples)
-        ax.plot(s, np.linspace(0, 1, len(s)), label=name)
-    ax.set_xscale("log")
-    ax.set_xlabel("ms per token")
-    ax.set_ylabel("fraction of tokens")
-    ax.set_title("Decode latency per token: cold (serial faults, sparkple) and warm")
-    ax.legend()
+    fig = _cdf_plot(plt, result["decode_latency"]["samples_ms"], "ms per token")
+    fig.axes[0].set_title("Decode latency per token: cold (serial faults, sparkple) and warm")
     paths.append(_save(fig, f"{stem}-decode-latency.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -631,16 +633,23 @@ def write_plots(result: dict[str, Any], json_path: Path) -> list[str]:
     ax.legend()
     paths.append(_save(fig, f"{stem}-prefill.png"))
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, samples in result["handshake"]["samples_us"].items():
-        s = np.sort(samples)
-        ax.plot(s, np.linspace(0, 1, len(s)), label=name)
-    ax.set_xscale("log")
-    ax.set_xlabel("publish-to-observe latency (us), across processes")
-    ax.set_ylabel("fraction")
-    ax.legend()
+    xlabel = "publish-to-observe latency (us), across processes"
+    fig = _cdf_plot(plt, result["handshake"]["samples_us"], xlabel)
     paths.append(_save(fig, f"{stem}-handshake.png"))
     return paths
+
+
+def _cdf_plot(plt: Any, samples: dict[str, list[float]], xlabel: str) -> Any:
+    """One cumulative distribution per named sample set, on a log x axis."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, values in samples.items():
+        ordered = np.sort(values)
+        ax.plot(ordered, np.linspace(0, 1, len(ordered)), label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction of samples")
+    ax.legend()
+    return fig
 
 
 def _save(fig: Any, path: str) -> str:
@@ -749,7 +758,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{warm['numpy_fancy_rows_per_s'] / 1e6:.1f} M rows/s")  # fmt: skip
     print(f"handshake p50/p99 {hs['handshake_p50_us']:.1f}/{hs['handshake_p99_us']:.1f} us, "
           f"pipe {hs['pipe_p50_us']:.1f}/{hs['pipe_p99_us']:.1f} us, after 20 ms "
-          f"{hs['handshake_after_20ms_p99_us']:.0f} us p99; SCHED_FIFO p99 "
+          f"{hs['handshake_after_20ms_p99_us']:.0f} us p99 (pipe "
+          f"{hs['pipe_after_20ms_p99_us']:.0f}); SCHED_FIFO p99 "
           f"{hs['handshake_rt_p99_us'] or float('nan'):.1f} us (pipe "
           f"{hs['pipe_rt_p99_us'] or float('nan'):.1f}); idle CPU "
           f"{hs['handshake_idle_cpu_fraction']:.1%}")  # fmt: skip
