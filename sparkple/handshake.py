@@ -6,9 +6,10 @@ only after its rows are in the staging buffer; the consumer waits until the flag
 `seq`. GB10 has no CUDA stream-memory-op semaphores, so this replaces them on the host.
 
 The waiter polls briefly, then sleeps in short futex waits on the flag's word, which the
-publisher wakes right after each publish: a kernel wakeup is as fast as a pipe's even on a
-busy host (where a polling or time-sleeping waiter loses whole scheduler slices), costs no
-CPU while idle, and releases the GIL, so a producer thread in the same process runs freely.
+publisher wakes right after each publish: a kernel wakeup does not lose whole scheduler slices
+on a busy host as a polling or time-sleeping waiter does, costs no CPU while idle, needs no file
+descriptor shared between the parties, and releases the GIL, so a producer thread in the same
+process runs freely.
 
 Sequence numbers start at 1 and only move forward: publishing a seq that is not above the
 flag, or waiting twice for the same seq, is a protocol error (HandshakeError), never a hang.
