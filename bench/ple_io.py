@@ -108,15 +108,9 @@ def ensure_table(work: Path, gib: float, keep_snapshot: bool) -> tuple[Path, boo
 
 
 def make_cold(table: PackedTable) -> None:
-    # Pages still under read I/O (readahead a `normal` run started) cannot be dropped until
-    # it completes: evict again for up to 2 s before calling the table warm.
-    for _ in range(20):
-        table.evict()
-        left = table.resident_fraction()
-        if left == 0:
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"{left:.1%} of the table stayed resident after eviction")
+    left = table.evict()
+    if left > 0:
+        raise RuntimeError(f"{left:.1%} of the table stayed resident after eviction")
 
 
 def make_warm(table: PackedTable, ids: np.ndarray) -> None:

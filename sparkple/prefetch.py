@@ -324,16 +324,24 @@ def resident_fraction(rows: np.ndarray) -> float:
     return float(pages.mean()) if pages.size else 1.0
 
 
-def evict(rows: np.ndarray, fd: int) -> None:
-    """Drop a table's pages from the page cache (for cold measurements).
+def evict(rows: np.ndarray, fd: int, settle_s: float = 2.0) -> float:
+    """Drop a table's pages from the page cache (for cold measurements); returns the fraction
+    still resident (0.0 when the table is cold).
 
     Pages mapped into a process are not dropped by fadvise, so this process's own mapping
     is zapped first (MADV_DONTNEED on a read-only file mapping only unmaps), and dirty pages
-    of a freshly written file are flushed, as fadvise skips them. Other processes that map the
-    file keep their pages resident; check with resident_fraction().
+    of a freshly written file are flushed, as fadvise skips them. Pages still under read I/O
+    (readahead an earlier pass started) cannot be dropped until it completes, so eviction is
+    repeated for up to `settle_s`. Other processes that map the file keep their pages.
     """
     mm = _underlying_mmap(rows)
-    if mm is not None:
-        mm.madvise(mmap.MADV_DONTNEED)
     os.fsync(fd)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    deadline = time.monotonic() + settle_s
+    while True:
+        if mm is not None:
+            mm.madvise(mmap.MADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        resident = resident_pages(rows.ctypes.data, rows.nbytes)
+        if not resident.any() or time.monotonic() >= deadline:
+            return float(resident.mean()) if resident.size else 0.0
+        time.sleep(0.1)

@@ -114,9 +114,10 @@ class PackedTable:
     def resident_fraction(self) -> float:
         return resident_fraction(self.rows)
 
-    def evict(self) -> None:
-        """Drop the table's pages from the page cache (cold measurements, tests)."""
-        evict(self.rows, self.fd)
+    def evict(self) -> float:
+        """Drop the table's pages from the page cache (cold measurements, tests); returns the
+        fraction still resident."""
+        return evict(self.rows, self.fd)
 
     def close(self) -> None:
         if self.fd >= 0:
