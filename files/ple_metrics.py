@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ple_host import read_meminfo
-from ple_state import atomic_write_text, manual_stop_path, read_json
+from ple_state import SUPERVISOR_STATES, atomic_write_text, manual_stop_path, read_json
 
 PREFIX = "sparkple_"
 STATS_FORMAT, STATS_VERSION = "sparkple-ple-stats", 1
@@ -43,7 +43,6 @@ STATS_COUNTERS = {
     "prefetch_calls": "prefetch batches",
     "staging_overruns": "batches that did not fit the staging buffer",
 }
-SUPERVISOR_STATES = ("running", "launched", "backoff", "hold", "breaker-open", "manual-stop")
 MINCORE_WINDOW = 1 << 30  # map and check the table 1 GiB at a time
 
 

@@ -25,6 +25,17 @@ from typing import Any
 
 MARKERS = "markers"
 MANUAL_STOP = "manual-stop"
+# Every state the supervisor records in supervisor.json (the metrics export one gauge each).
+SUPERVISOR_STATES = (
+    "starting",
+    "running",
+    "launched",
+    "backoff",
+    "hold",
+    "breaker-open",
+    "manual-stop",
+    "reset",
+)
 
 
 def utc_stamp(t: float) -> str:

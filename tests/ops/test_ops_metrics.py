@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 from ops_helpers import ROOT, program
 from ple_metrics import block_device, resident_pages
+from ple_state import SUPERVISOR_STATES
 
 from sparkple.stats import PLEStats, StatsFile
 
@@ -218,3 +220,12 @@ def test_a_slow_reader_never_sees_a_partial_file(tmp_path):
         held.seek(0)
         assert held.read() == first
     assert out.read_text().endswith("\n") and out.stat().st_mode & 0o777 == 0o644
+
+
+def test_every_supervisor_state_has_a_gauge():
+    """The metrics export one gauge per state in ple_state.SUPERVISOR_STATES: every state the
+    supervisor writes must be there, or its gauges all read 0 while it is in it."""
+    source = (ROOT / "files" / "ple_supervisor.py").read_text()
+    written = set(re.findall(r"""(?:state=|"state": |\["state"\] = )"([a-z-]+)\"""", source))
+    assert {"starting", "running", "reset"} <= written  # the pattern finds all three spellings
+    assert written <= set(SUPERVISOR_STATES)
