@@ -47,15 +47,20 @@ def iso(t: float) -> str:
     return dt.datetime.fromtimestamp(t, dt.UTC).isoformat(timespec="seconds")
 
 
-def atomic_write_text(path: Path, text: str, mode: int = 0o644) -> None:
-    """Write `text` to `path` so readers see the old or the new content, never a part."""
+def atomic_write_text(path: Path, text: str, mode: int = 0o644, *, durable: bool = True) -> None:
+    """Write `text` to `path` so readers see the old or the new content, never a part.
+
+    durable: fsync before the rename, so the content also survives a crash of the host;
+    a status file rewritten every few seconds skips it.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
@@ -64,8 +69,8 @@ def atomic_write_text(path: Path, text: str, mode: int = 0o644) -> None:
         raise
 
 
-def write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+def write_json(path: Path, obj: Any, *, durable: bool = True) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n", durable=durable)
 
 
 def read_json(path: Path, default: Any) -> Any:

@@ -124,7 +124,7 @@ class Watchdog:
                 log(f"below the floor ({'; '.join(reasons)}) but the service is not running")
                 self.idle_noted = True
         if len(self.recent) >= self.args.debounce:
-            self.trip(now, avail, free)
+            self.trip(now)
             self.recent.clear()
         if reasons or now - self.last_state_write >= 10 * self.args.interval_s:
             self.write_state(now, avail, free)
@@ -134,6 +134,7 @@ class Watchdog:
 
     def write_state(self, now: float, avail: int, free: int) -> None:
         self.last_state_write = now
+        # Rewritten every sample while memory is short: no fsync then, when it stalls most.
         write_json(
             self.args.state_dir / "watchdog.json",
             {
@@ -153,9 +154,10 @@ class Watchdog:
                     "interval_s": self.args.interval_s,
                 },
             },
+            durable=False,
         )
 
-    def trip(self, now: float, avail: int, free: int) -> None:
+    def trip(self, now: float) -> None:
         args = self.args
         readings = list(self.recent)
         reason = "; ".join(readings[-1]["reasons"])
