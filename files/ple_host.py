@@ -69,5 +69,7 @@ def run_command(
         return CommandResult(argv, proc.returncode, proc.stdout, proc.stderr)
     except FileNotFoundError as exc:
         return CommandResult(argv, 127, "", f"{argv[0]}: not found ({exc})")
+    except OSError as exc:  # not executable, not permitted, or the output file cannot be opened
+        return CommandResult(argv, 126, "", f"{argv[0]}: cannot run ({exc})")
     except subprocess.TimeoutExpired:
         return CommandResult(argv, 124, "", f"timed out after {timeout_s:g} s")

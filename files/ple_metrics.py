@@ -25,13 +25,12 @@ import ctypes
 import json
 import mmap
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from ple_host import read_meminfo
+from ple_host import read_meminfo, run_command
 from ple_state import SUPERVISOR_STATES, atomic_write_text, manual_stop_path, read_json
 
 PREFIX = "sparkple_"
@@ -205,18 +204,10 @@ def collect_table(out: Exposition, table_dir: Path, device_override: str) -> Non
 
 # -- the serving process ----------------------------------------------------------------------
 def container_pid(container: str) -> int | None:
-    try:
-        done = subprocess.run(
-            ["docker", "inspect", "--format", "{{.State.Pid}}", container],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
+    inspect = "docker inspect --format {{{{.State.Pid}}}} {container}"  # braces doubled for format
+    done = run_command(inspect, {"container": container}, timeout_s=20)
     pid = done.stdout.strip()
-    return int(pid) if done.returncode == 0 and pid.isdigit() and int(pid) > 0 else None
+    return int(pid) if done.ok and pid.isdigit() and int(pid) > 0 else None
 
 
 def proc_stat(pid: str) -> tuple[int, int] | None:
