@@ -54,6 +54,7 @@ from sparkple.geometry import PLEGeometry
 from sparkple.ngram import row_ids
 from sparkple.nvfp4 import dequantize_rows
 from sparkple.table import PackedTable, open_table
+from sparkple.tablemeta import read_meta
 
 # The patch output directory the service mounts read-only next to the patched files.
 PATCH_DIR = Path(os.environ.get("SPARKPLE_PATCH_DIR", "/opt/sparkple/patches"))
@@ -94,9 +95,7 @@ class Engine:
 
     def __init__(self, model_dir: Path, table_dir: Path) -> None:
         cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-        meta_probe = open_table(table_dir)
-        meta = meta_probe.meta
-        meta_probe.close()
+        meta = read_meta(table_dir)  # the stored layout, before the table is mapped
         self.geometry = PLEGeometry.from_config(
             cfg,
             stored_multipliers=list(meta.multipliers),
@@ -115,12 +114,12 @@ class Engine:
         meta = self.table.meta
         tokens = [b % g.vocab_size for b in prompt.encode("utf-8")] or [g.eos_token_id]
         out: list[int] = []
+        ctx = np.full((1, g.ngram_size - 1), g.eos_token_id, dtype=np.int64)
+        staging = np.empty((1, g.num_heads, meta.row_width), dtype=np.uint8)
         for _ in range(max_tokens):
             ids = np.asarray(tokens, dtype=np.int64)
             qsl = np.asarray([0, ids.size], dtype=np.int64)
-            ctx = np.full((1, g.ngram_size - 1), g.eos_token_id, dtype=np.int64)
             rid = row_ids(ids, qsl, ctx, g)[-1:]  # the last token's rows
-            staging = np.empty((1, g.num_heads, meta.row_width), dtype=np.uint8)
             gather_rows(self.table.rows, rid, staging)
             self.rows_gathered += int(rid.size)
             if meta.quant == "nvfp4":
