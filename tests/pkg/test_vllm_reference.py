@@ -9,23 +9,18 @@ from __future__ import annotations
 
 import ast
 import struct
-import subprocess
-import sys
 import zipfile
-from pathlib import Path
 
 import numpy as np
 import pytest
+from wheel_cache import vllm_wheel
 
 from sparkple.geometry import PLEGeometry
 from sparkple.ngram import row_ids
 from sparkple.synth import make_config
 
-from .conftest import ROOT
-
 torch = pytest.importorskip("torch")
 
-WHEEL_GLOB = "vllm-0.33.0-*.whl"
 SOURCE = "vllm/models/qwen4_exp/nvidia/ngram_embedding.py"
 NVFP4_SOURCE = "vllm/model_executor/layers/quantization/utils/nvfp4_emulation_utils.py"
 METHODS = {
@@ -40,28 +35,12 @@ METHODS = {
 }
 
 
-def find_wheel() -> Path | None:
-    cache = ROOT / ".cache"
-    found = sorted(cache.rglob(WHEEL_GLOB)) if cache.exists() else []
-    if found:
-        return found[0]
-    dest = cache / "wheels"
-    dest.mkdir(parents=True, exist_ok=True)
-    res = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "vllm==0.33.0", "-d", str(dest)],
-        capture_output=True,
-        timeout=600,
-    )
-    found = sorted(dest.glob(WHEEL_GLOB))
-    return found[0] if res.returncode == 0 and found else None
-
-
 @pytest.fixture(scope="module")
 def wheel():
-    found = find_wheel()
-    if found is None:
-        pytest.skip("the vllm==0.33.0 wheel is not available (no PyPI access?)")
-    return found
+    try:
+        return vllm_wheel()
+    except RuntimeError as exc:
+        pytest.skip(f"the vllm==0.33.0 wheel is not available (no PyPI access?): {exc}")
 
 
 @pytest.fixture(scope="module")

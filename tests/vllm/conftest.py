@@ -9,22 +9,16 @@ redone rather than trusted.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import subprocess
 import sys
 import zipfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from wheel_cache import CACHE, VLLM_VERSION, locked, pip, vllm_wheel
 
-REPO = Path(__file__).resolve().parents[2]
-CACHE = REPO / ".cache"
-VLLM_VERSION = "0.33.0"
-WHEEL_DIR = CACHE / "vllm-wheel"
 SOURCES_DIR = CACHE / f"vllm-{VLLM_VERSION}-sources"
 VENV_DIR = CACHE / "vllm-venv"
 HERE = Path(__file__).resolve().parent
@@ -34,46 +28,12 @@ EXTRACT_PREFIXES = ("vllm/models/qwen4_exp/",)
 TORCH_PIN = "torch==2.13.0"
 
 
-@contextmanager
-def _locked(name: str) -> Iterator[None]:
-    CACHE.mkdir(exist_ok=True)
-    with open(CACHE / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
-def _pip(python: Path | str, *args: str) -> None:
-    cmd = [str(python), "-m", "pip", "--disable-pip-version-check", "-q", *args]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stdout}\n{result.stderr}")
-
-
-def vllm_wheel() -> Path:
-    with _locked("vllm-wheel"):
-        # any folder of .cache/ that already holds the wheel (other tests fetch it too)
-        wheels = sorted(CACHE.glob(f"*/vllm-{VLLM_VERSION}-*.whl"))
-        if not wheels:
-            _pip(
-                sys.executable,
-                "download",
-                "--no-deps",
-                f"vllm=={VLLM_VERSION}",
-                "-d",
-                str(WHEEL_DIR),
-            )
-            wheels = sorted(WHEEL_DIR.glob(f"vllm-{VLLM_VERSION}-*.whl"))
-        if not wheels:
-            raise RuntimeError(f"pip download left no vllm {VLLM_VERSION} wheel in {WHEEL_DIR}")
-        return wheels[0]
-
-
 @pytest.fixture(scope="session")
 def vllm_originals() -> Path:
     """The extracted `vllm` package directory (paths inside it as the profile names them)."""
     wheel = vllm_wheel()
     done = SOURCES_DIR / ".complete"
-    with _locked("vllm-sources"):
+    with locked("vllm-sources"):
         if not done.is_file():
             shutil.rmtree(SOURCES_DIR, ignore_errors=True)
             with zipfile.ZipFile(wheel) as archive:
@@ -102,15 +62,15 @@ def vllm_venv() -> Path:
     requirements = HERE / "venv-requirements.txt"
     stamp_text = f"{wheel.name}\n{TORCH_PIN}\n{requirements.read_text()}"
     done = VENV_DIR / ".complete"
-    with _locked("vllm-venv"):
+    with locked("vllm-venv"):
         if not (done.is_file() and done.read_text() == stamp_text):
             shutil.rmtree(VENV_DIR, ignore_errors=True)
             subprocess.run([sys.executable, "-m", "venv", str(VENV_DIR)], check=True)
             python = _venv_python()
-            _pip(python, "install", TORCH_PIN)
+            pip(python, "install", TORCH_PIN)
             constraints = VENV_DIR / "constraints.txt"
             constraints.write_text(TORCH_PIN + "\n")
-            _pip(python, "install", "-c", str(constraints), "-r", str(requirements))
-            _pip(python, "install", "--no-deps", str(wheel))
+            pip(python, "install", "-c", str(constraints), "-r", str(requirements))
+            pip(python, "install", "--no-deps", str(wheel))
             done.write_text(stamp_text)
     return _venv_python()
