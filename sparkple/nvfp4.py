@@ -144,5 +144,7 @@ def dequantize_rows_torch(
     lead = packed.shape[:-1]
     pairs = pairs_t[packed[..., :cw].long()].reshape(*lead, head_dim // BLOCK, BLOCK)
     scales = e4m3_t[packed[..., cw:].long()].unsqueeze(-1)
-    out = (pairs * scales) * torch.tensor(global_scale, dtype=torch.float32, device=key)
+    # A Python number, not a tensor: building a device tensor per call would copy from pageable
+    # host memory and make the host wait for the stream.
+    out = (pairs * scales) * float(global_scale)
     return out.reshape(*lead, head_dim).to(dtype)
