@@ -37,7 +37,7 @@ _VMFLAG_ADVICE = {"rr": "random", "sr": "sequential"}
 _META_FIELDS = {f.name for f in fields(TableMeta)}
 
 
-def _check_expect(meta: TableMeta, expect: dict[str, Any], where: Path) -> None:
+def check_expect(meta: TableMeta, expect: dict[str, Any], where: Path) -> None:
     unknown = sorted(set(expect) - _META_FIELDS)
     if unknown:
         raise ValueError(f"expect has keys that are not table metadata: {', '.join(unknown)}")
@@ -159,7 +159,7 @@ def open_table(
     where = Path(table_dir)
     meta = read_meta(where)
     if expect:
-        _check_expect(meta, expect, where)
+        check_expect(meta, expect, where)
     if meta.total_rows == 0 or meta.row_width == 0:
         raise TableError(f"the table in {where} has no rows; rebuild it")
     path = meta.data_path(where)

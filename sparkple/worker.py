@@ -22,20 +22,20 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import HandshakeError, TableError
+from .errors import HandshakeError
 from .gather import gather_rows
 from .geometry import PLEGeometry
 from .handshake import DEFAULT_TIMEOUT_S, Publisher, SeqFlag, Waiter
 from .ngram import row_ids as compute_row_ids
 from .prefetch import Prefetcher, PrefetchStats
+from .table import check_expect
+from .tablemeta import geometry_fields
 
 if TYPE_CHECKING:
     import torch
 
     from .stats import PLEStats
     from .table import PackedTable
-
-_GEOMETRY_KEYS = ("total_rows", "num_heads", "head_dim", "eos_token_id", "ngram_size")
 
 
 @dataclass
@@ -58,17 +58,8 @@ class StepInfo:
 
 
 def check_geometry(table: PackedTable, geometry: PLEGeometry) -> None:
-    """The table must be the one built for this model's PLE geometry."""
-    wrong = [
-        f"{k}: table {getattr(table.meta, k)!r}, model {getattr(geometry, k)!r}"
-        for k in (*_GEOMETRY_KEYS, "head_sizes", "head_offsets", "multipliers")
-        if list(np.atleast_1d(getattr(table.meta, k))) != list(np.atleast_1d(getattr(geometry, k)))
-    ]
-    if wrong:
-        raise TableError(
-            f"the table in {table.table_dir} was not built for this model ({'; '.join(wrong)}): "
-            "rebuild it from this checkpoint with `sparkple build-table --force`"
-        )
+    """The table must be the one built for this model's PLE geometry (TableError otherwise)."""
+    check_expect(table.meta, geometry_fields(geometry), table.table_dir)
 
 
 class GatherWorker:
