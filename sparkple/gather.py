@@ -42,6 +42,19 @@ def check_staging(out: np.ndarray, tokens: int, heads: int, row_width: int) -> N
         raise ValueError("staging buffer is read-only")
 
 
+def check_row_range(ids: np.ndarray, total_rows: int) -> None:
+    """Every id must name a row of the table (TableError otherwise)."""
+    if ids.size == 0:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= total_rows:
+        bad = low if low < 0 else high
+        raise TableError(
+            f"row id {bad} is outside the table's {total_rows} rows: the table does not match "
+            "the model's geometry (rebuild it for this checkpoint)"
+        )
+
+
 def gather_rows(rows: np.ndarray, row_ids: np.ndarray, out: np.ndarray) -> np.ndarray:
     """Copy rows[row_ids] into out (uint8[T, H, row_width]) and return out.
 
@@ -62,13 +75,7 @@ def gather_rows(rows: np.ndarray, row_ids: np.ndarray, out: np.ndarray) -> np.nd
     if ids.size == 0:
         return out
     flat_ids = ids.reshape(-1)
-    low, high = int(flat_ids.min()), int(flat_ids.max())
-    if low < 0 or high >= total_rows:
-        bad = low if low < 0 else high
-        raise TableError(
-            f"row id {bad} is outside the table's {total_rows} rows: the table does not match "
-            "the model's geometry (rebuild it for this checkpoint)"
-        )
+    check_row_range(flat_ids, total_rows)
     # mode="clip" (ids are checked above): with the default mode="raise", numpy buffers `out`
     # and copies the rows twice.
     np.take(rows, flat_ids, axis=0, out=_flat_view(out, tokens * heads, row_width), mode="clip")

@@ -30,6 +30,7 @@ from typing import Protocol
 import numpy as np
 
 from .errors import TableError
+from .gather import check_row_range
 
 PAGE_SIZE = mmap.PAGESIZE
 MECHANISMS = ("process_madvise", "fadvise", "madvise")
@@ -52,12 +53,7 @@ def _check_ids(row_ids: np.ndarray, total_rows: int) -> np.ndarray:
     if ids.dtype.kind not in "iu":
         raise TableError(f"row ids must be integers, got dtype {ids.dtype}")
     ids = ids.reshape(-1).astype(np.int64, copy=False)
-    if ids.size and (ids.min() < 0 or ids.max() >= total_rows):
-        bad = ids[(ids < 0) | (ids >= total_rows)][0]
-        raise TableError(
-            f"row id {bad} is outside the table's {total_rows} rows: the table does not match "
-            "the model's geometry (rebuild it for this checkpoint)"
-        )
+    check_row_range(ids, total_rows)
     return ids
 
 
@@ -72,7 +68,12 @@ def plan_page_numbers(
     first = first_byte // page_size
     last = (first_byte + (row_width - 1)) // page_size
     straddle = last != first
-    return np.unique(np.concatenate((first, last[straddle])))
+    # sort and drop repeats: np.unique does the same about 4x slower on these arrays
+    pages = np.sort(np.concatenate((first, last[straddle])))
+    keep = np.empty(pages.size, dtype=bool)
+    keep[0] = True
+    np.not_equal(pages[1:], pages[:-1], out=keep[1:])
+    return pages[keep]
 
 
 def coalesce_pages(pages: np.ndarray, page_size: int = PAGE_SIZE) -> tuple[np.ndarray, np.ndarray]:
@@ -180,13 +181,12 @@ class Prefetcher:
         self.fd = table.fd
         self.total_rows, self.row_width = self.rows.shape
         self._base = self.rows.ctypes.data
-        self._map_bytes = self.total_rows * self.row_width
         self._mmap = _underlying_mmap(self.rows)
         self.min_rows = min_rows
         self.recent_s = recent_s
         self.threads = max(1, threads)
         self._pool: ThreadPoolExecutor | None = None
-        npages = -(-self._map_bytes // PAGE_SIZE)
+        npages = -(-(self.total_rows * self.row_width) // PAGE_SIZE)
         self._recent = np.zeros(npages if recent_s > 0 else 0, dtype=bool)
         self._older = np.zeros_like(self._recent)
         self._rotated_at = time.monotonic()
@@ -246,9 +246,7 @@ class Prefetcher:
         )
 
     def _issue(self, starts: np.ndarray, lengths: np.ndarray) -> None:
-        # Clip the last range to the mapping (the table need not end on a page boundary).
-        end = -(-self._map_bytes // PAGE_SIZE) * PAGE_SIZE
-        lengths = np.minimum(lengths, end - starts)
+        # Whole pages of checked rows: every range ends within the mapping's last page.
         if self.mechanism == "process_madvise":
             assert self._pm is not None
             iov = np.empty((starts.size, 2), dtype=np.uint64)
