@@ -113,7 +113,6 @@ class PLEGeometry:
     head_dim: int
     head_sizes: tuple[int, ...]
     head_offsets: tuple[int, ...]
-    addressed_rows: int
     total_rows: int
     shards: int
     rows_per_shard: int
@@ -121,6 +120,11 @@ class PLEGeometry:
     vocab_size: int
     multipliers: tuple[int, ...]
     ple_layer_ids: tuple[int, ...] = (2,)
+
+    @property
+    def addressed_rows(self) -> int:
+        """Rows the hash can address (the table pads them up to total_rows)."""
+        return max(o + s for o, s in zip(self.head_offsets, self.head_sizes, strict=True))
 
     @classmethod
     def from_config(
@@ -189,7 +193,6 @@ class PLEGeometry:
             head_dim=head_dim,
             head_sizes=tuple(int(s) for s in sizes),
             head_offsets=tuple(int(o) for o in offsets),
-            addressed_rows=addressed,
             total_rows=total,
             shards=shards,
             rows_per_shard=-(-total // shards),

@@ -97,7 +97,7 @@ class TableMeta:
         """The PLE geometry this table was built for."""
         values = {name: getattr(self, name) for name in GEOMETRY_FIELDS}
         values = {name: tuple(v) if isinstance(v, list) else v for name, v in values.items()}
-        return PLEGeometry(addressed_rows=sum(self.head_sizes), **values)
+        return PLEGeometry(**values)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
