@@ -32,7 +32,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from .errors import BuildError, CheckpointError, SparkpleError, TableError
-from .geometry import PLEGeometry, RowFormat
+from .geometry import PLEGeometry, RowFormat, text_config
 from .safetensors_io import Snapshot, TensorInfo
 from .tablemeta import (
     DATA_PREFIX,
@@ -181,7 +181,7 @@ def plan_build(snapshot_dir: str | os.PathLike[str]) -> Plan:
             f"{first.path}: tensor {first.name!r} is {first.dtype}; expected U8 (NVFP4 codes) "
             "or F8_E4M3 (FP8 rows)"
         )
-    declared = (cfg.get("text_config") or cfg).get("ple_embedding_dtype")
+    declared = text_config(cfg).get("ple_embedding_dtype")
     if declared is not None and declared != {"nvfp4": "nvfp4", "fp8": "float8_e4m3fn"}[quant]:
         raise CheckpointError(
             f"config.json ple_embedding_dtype is {declared!r} but the shards are {first.dtype}"

@@ -82,7 +82,8 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The text model's section of config.json (its text_config, or the top level)."""
     text = cfg.get("text_config")
     return text if isinstance(text, dict) else cfg
 
@@ -141,7 +142,7 @@ class PLEGeometry:
         `ple_layer` is the index of the PLE layer among the sorted ple_layer_ids. Values the
         checkpoint stores (multipliers, head sizes and offsets) win over computed ones.
         """
-        text = _text_config(cfg)
+        text = text_config(cfg)
         ngram_size = _int_key(text, "ngram_size")
         heads_per_ngram = _int_key(text, "heads_per_ngram")
         if ngram_size < 2 or heads_per_ngram < 1:

@@ -359,7 +359,7 @@ def render_files(
             {
                 "path": rel,
                 "kind": "added" if rel in profile.added else "patched",
-                "original_sha256": sha256_bytes(texts[rel].encode()) if rel in texts else None,
+                "original_sha256": profile.originals.get(rel),  # render_files checked it
                 "template_sha256": template_hash.hexdigest(),
                 "patched_sha256": sha256_bytes(outputs[rel].encode()),
             }

@@ -38,7 +38,6 @@ from .errors import SparkpleError
 FORMAT = "sparkple-ple-stats"
 VERSION = 1
 ENV_DIR = "SPARKPLE_STATS_DIR"
-FILE_GLOB = "ple-stats-*.json"
 
 COUNTERS: tuple[str, ...] = (
     "rows_gathered",  # rows copied into staging by the gather worker
