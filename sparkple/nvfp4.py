@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .geometry import NVFP4_BLOCK
+
 if TYPE_CHECKING:
     import torch
 
-BLOCK = 16
+BLOCK = NVFP4_BLOCK  # elements per scale
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)

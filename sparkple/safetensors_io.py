@@ -50,10 +50,6 @@ class TensorInfo:
     offset: int  # absolute byte offset in the file
     nbytes: int
 
-    @property
-    def itemsize(self) -> int:
-        return DTYPES[self.dtype][0]
-
     def memmap(self) -> np.ndarray:
         """A read-only view of the tensor's bytes (nothing is read until touched)."""
         np_dtype = np.dtype(DTYPES[self.dtype][1])

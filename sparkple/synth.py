@@ -22,6 +22,7 @@ import numpy as np
 
 from .geometry import PLEGeometry, RowFormat
 from .nvfp4 import E4M3_MAX, float32_to_e4m3, global_scale_for, quantize_rows
+from .safetensors_io import DTYPES
 
 REAL_VOCAB_SIZE = 248_320
 REAL_EOS = 248_044
@@ -86,7 +87,7 @@ class _RowSource:
         exponents = rng.integers(-12, 3, size=(pool_rows, head_dim // 16, 1))
         values.reshape(pool_rows, head_dim // 16, 16)[...] *= np.exp2(exponents, dtype=np.float32)
         amax = float(np.max(np.abs(values)))
-        width = head_dim // 2 + head_dim // 16 if quant == "nvfp4" else head_dim
+        width = RowFormat.for_quant(quant, head_dim).row_width
         self.pool = np.empty((pool_rows, width), dtype=np.uint8)
         if quant == "nvfp4":
             self.global_scale = global_scale_for(amax)
@@ -107,15 +108,11 @@ class _RowSource:
 Tensor = tuple[str, str, tuple[int, ...], Callable[[], Iterator[bytes]]]
 
 
-def _itemsize(dtype: str) -> int:
-    return {"U8": 1, "F8_E4M3": 1, "BF16": 2, "F32": 4, "I64": 8}[dtype]
-
-
 def _write_safetensors(path: Path, tensors: list[Tensor]) -> None:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, dtype, shape, _ in tensors:
-        size = math.prod(shape) * _itemsize(dtype)
+        size = math.prod(shape) * DTYPES[dtype][0]
         header[name] = {
             "dtype": dtype,
             "shape": list(shape),
@@ -309,7 +306,7 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    width = 90 if args.quant == "nvfp4" else 160
+    width = RowFormat.for_quant(args.quant, 160).row_width  # make_config's head_dim
     base = args.vocab_base or 1000
     if args.table_gib is not None:
         base = vocab_base_for_bytes(int(args.table_gib * 2**30), width)
