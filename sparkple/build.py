@@ -31,7 +31,15 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from .errors import BuildError, CheckpointError, SparkpleError, TableError
+from .errors import (
+    EXIT_CHECK_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    BuildError,
+    CheckpointError,
+    SparkpleError,
+    TableError,
+)
 from .geometry import PLEGeometry, RowFormat, text_config
 from .safetensors_io import Snapshot, TensorInfo
 from .tablemeta import (
@@ -52,7 +60,6 @@ MAX_CHUNK_MIB = 64  # three chunks of buffers: peak RSS stays under 256 MiB
 DEFAULT_VERIFY_ROWS = 1024
 LOCK_NAME = ".build.lock"
 TMP_PREFIX = ".tmp-"
-EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
 # Metadata fields that do not depend on the snapshot's content.
 NOT_COMPARED = {"data_file", "built_at", "builder_version", "extra"}
 SHARD_RE = re.compile(r"^(?P<emb>.+\.ngram_embedding)\.shard_(?P<i>\d+)\.weight$")

@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from .errors import SparkpleError
+from .errors import EXIT_CHECK_FAILED, SparkpleError
 
 # subcommand -> module that defines `add_parser(subparsers, name)`; the parser's
 # default `func(args) -> int` runs it.
@@ -21,8 +21,6 @@ COMMANDS: dict[str, str] = {
     "inspect-table": "sparkple.build",
     "patch": "sparkple.patching",
 }
-
-EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,8 @@
 """Exceptions shared across sparkple; each says what is wrong and what to do."""
 
+# Exit codes of the sparkple commands: done, a check found a problem, bad usage or input.
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
+
 
 class SparkpleError(Exception):
     """Base class for every error sparkple raises on purpose."""
