@@ -170,8 +170,7 @@ class Supervisor:
         if st["down_since"] is None:
             st["down_since"] = now
             st["next_attempt_at"] = now + self.delay(st["restarts"])
-        if st["launch_failures"] >= args.hold_after:
-            self.hold(st, now, f"{st['launch_failures']} launches in a row failed")
+        if self.hold_if_exhausted(st, now):
             return
         if now < st["next_attempt_at"]:
             st["state"] = "backoff"
@@ -186,21 +185,24 @@ class Supervisor:
             self.record(st, now, "relaunch", attempt=st["restarts"], waited_s=waited)
             st.update(state="launched", launch_at=now, down_since=None, next_attempt_at=None)
             return
-        st["launch_failures"] += 1
-        self.record(
-            st,
-            now,
-            "launch-failed",
-            attempt=st["restarts"],
-            waited_s=waited,
-            exit=result.returncode,
-            stderr=result.stderr[-500:],
-        )
-        st.update(down_since=now, next_attempt_at=now + self.delay(st["restarts"]))
-        if st["launch_failures"] >= self.args.hold_after:
-            self.hold(st, now, f"{st['launch_failures']} launches in a row failed")
+        failed = {"attempt": st["restarts"], "waited_s": waited, "exit": result.returncode}
+        # A watchdog that stopped the service while it was starting explains the failure.
+        explained = read_markers(self.state_dir, self.kinds | {"wedged"}, now)
+        if explained:
+            self.record(st, now, "down", cause=explained[-1].get("kind"), **failed)
         else:
+            st["launch_failures"] += 1
+            self.record(st, now, "launch-failed", **failed, stderr=result.stderr[-500:])
+        st.update(down_since=now, next_attempt_at=now + self.delay(st["restarts"]))
+        if not self.hold_if_exhausted(st, now):
             st["state"] = "backoff"
+
+    def hold_if_exhausted(self, st: dict[str, Any], now: float) -> bool:
+        """Hold when `hold_after` launches in a row failed; True when it holds."""
+        if st["launch_failures"] < self.args.hold_after:
+            return False
+        self.hold(st, now, f"{st['launch_failures']} launches in a row failed")
+        return True
 
     def hold(self, st: dict[str, Any], now: float, reason: str) -> None:
         st.update(state="hold", hold_reason=reason, next_attempt_at=None)

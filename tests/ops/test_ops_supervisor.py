@@ -4,9 +4,10 @@ floor set above this machine's real MemAvailable), backoff, hold and circuit bre
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 
-from ops_helpers import markers, meminfo_mib, output, program, read_json, wait_for
+from ops_helpers import FILES, markers, meminfo_mib, output, program, read_json, wait_for
 
 BASE = 0.5
 
@@ -123,6 +124,41 @@ def test_holds_after_repeated_launch_failures(tmp_path, standin, procs):
     assert sup_state(state)["hold_reason"] == "3 launches in a row failed"
     time.sleep(0.5)
     assert len(events(state, "launch-failed")) == 3, "no attempt while holding"
+    assert sup.poll() is None
+
+
+def test_a_start_failed_by_an_emergency_stop_is_not_a_launch_failure(tmp_path, standin, procs):
+    """The watchdog may stop the service while its start command still runs: the start fails,
+    but the marker says why, as it does for a service stopped after it came up."""
+    state = tmp_path / "state"
+    script = tmp_path / "start.py"
+    script.write_text(
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        f"sys.path.insert(0, {str(FILES)!r})\n"
+        "from ple_state import write_marker\n"
+        f"write_marker(Path({str(state)!r}), 'emergency', time.time(), {{'reason': 'test'}})\n"
+        "sys.exit(1)\n"
+    )
+    sup = procs(
+        supervisor(
+            state,
+            standin,
+            "--start-cmd",
+            f"{sys.executable} {script}",
+            "--hold-after",
+            1,
+            "--backoff-base-s",
+            0.1,
+            "--breaker-count",
+            100,
+        )  # fmt: skip
+    )
+    wait_for(lambda: len(events(state, "down")) >= 3, 15, "three explained failed starts")
+    downs = [d for d in events(state, "down") if "attempt" in d]
+    assert downs and all(d["cause"] == "emergency" and d["exit"] == 1 for d in downs)
+    assert events(state, "launch-failed") == []
+    assert sup_state(state)["state"] != "hold" and sup_state(state)["launch_failures"] == 0
     assert sup.poll() is None
 
 
