@@ -52,7 +52,6 @@ def fresh_state() -> dict[str, Any]:
         "restarts": 0,
         "launch_failures": 0,
         "launch_at": None,
-        "up_since": None,
         "down_since": None,
         "next_attempt_at": None,
         "hold_reason": None,
@@ -144,8 +143,6 @@ class Supervisor:
             return
 
         if self.running():
-            if st["up_since"] is None:
-                st["up_since"] = now
             if st["launch_at"] is not None and now - st["launch_at"] >= args.stable_s:
                 self.record(st, now, "stable", after_s=round(now - st["launch_at"], 1))
                 st.update(launch_at=None, restarts=0, launch_failures=0)
@@ -166,7 +163,6 @@ class Supervisor:
             st["launch_at"] = None
         elif st["down_since"] is None:
             self.record(st, now, "down")
-        st["up_since"] = None
         if st["down_since"] is None:
             st["down_since"] = now
             st["next_attempt_at"] = now + self.delay(st["restarts"])
@@ -270,7 +266,7 @@ class Supervisor:
                 start_exit=start.returncode,
             )
             if start.ok:
-                st.update(state="launched", launch_at=now, up_since=None)
+                st.update(state="launched", launch_at=now)
             self.save(st, now)
         return 0 if stop.ok and start.ok else 1
 
