@@ -29,6 +29,22 @@ def program(name: str, *args: object) -> list[str]:
     return [sys.executable, str(FILES / name), *map(str, args)]
 
 
+def above_real_memory() -> int:
+    """A MemAvailable floor (MiB) no machine meets: the watchdog counts every sample as bad."""
+    return 2 * meminfo_mib("MemTotal")
+
+
+def watchdog_cmd(state: Path, *args: object, interval_s: float) -> list[str]:
+    """The watchdog with its state in `state` and the archived logs beside it."""
+    return program(
+        "ple_watchdog.py",
+        "--state-dir", state,
+        "--log-dir", state.parent / "logs",
+        "--interval-s", interval_s,
+        *args,
+    )  # fmt: skip
+
+
 def standin_cmd(command: str, directory: Path, *extra: object) -> str:
     """A command line (as the programs' --*-cmd flags take it) for the stand-in manager."""
     words = [sys.executable, "-S", str(STANDIN), command, str(directory), *map(str, extra)]

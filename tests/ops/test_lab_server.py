@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from ops_helpers import FILES, ROOT, wait_for
-from standin import free_port
+from standin import alive, free_port
 
 from sparkple.build import build_table, plan_build
 from sparkple.synth import synth_checkpoint
@@ -76,11 +76,7 @@ def children(pid: int) -> list[int]:
 
 
 def gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return True
-    return state in ("Z", "X")
+    return not alive(pid)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from ops_helpers import meminfo_mib, program, wait_for
+from ops_helpers import above_real_memory, wait_for, watchdog_cmd
 from ple_alert import Alerter
 
 
@@ -78,16 +78,14 @@ def test_no_url_means_no_alerts(tmp_path, monkeypatch):
 
 
 def watchdog(state, running: str, stop: str, *extra: object) -> list[str]:
-    return program(
-        "ple_watchdog.py",
-        "--state-dir", state,
-        "--log-dir", state.parent / "logs",
-        "--interval-s", 0.05,
-        "--avail-floor-mib", 2 * meminfo_mib("MemTotal"),
+    return watchdog_cmd(
+        state,
+        "--avail-floor-mib", above_real_memory(),
         "--running-cmd", running,
         "--logs-cmd", "true",
         "--stop-cmd", stop,
         *extra,
+        interval_s=0.05,
     )  # fmt: skip
 
 

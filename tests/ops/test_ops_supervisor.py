@@ -7,7 +7,16 @@ import subprocess
 import sys
 import time
 
-from ops_helpers import FILES, markers, meminfo_mib, output, program, read_json, wait_for
+from ops_helpers import (
+    FILES,
+    above_real_memory,
+    markers,
+    output,
+    program,
+    read_json,
+    wait_for,
+    watchdog_cmd,
+)
 
 BASE = 0.5
 
@@ -44,18 +53,13 @@ def test_relaunch_with_backoff_until_the_breaker_opens_then_reset(tmp_path, stan
     wd = procs(
         # 5 samples x 0.2 s: longer than the stand-in's start command (it waits for /health),
         # so a trip does not land inside a start on a loaded machine
-        program(
-            "ple_watchdog.py",
-            "--state-dir",
+        watchdog_cmd(
             state,
-            "--log-dir",
-            tmp_path / "logs",
-            "--interval-s",
-            0.2,
             "--avail-floor-mib",
-            2 * meminfo_mib("MemTotal"),
+            above_real_memory(),
             *standin.watchdog_args(),
-        )  # fmt: skip
+            interval_s=0.2,
+        )
     )
     wait_for(lambda: sup_state(state).get("state") == "breaker-open", 30, "the breaker")
     took = time.monotonic() - started

@@ -8,25 +8,15 @@ import subprocess
 import time
 from pathlib import Path
 
-from ops_helpers import markers, meminfo_mib, output, program, read_json, wait_for
+from ops_helpers import above_real_memory, markers, output, read_json, wait_for, watchdog_cmd
 
 INTERVAL = 0.1
 
 
 def watchdog(state: Path, *args: object) -> list[str]:
-    return program(
-        "ple_watchdog.py",
-        "--state-dir", state,
-        "--log-dir", state.parent / "logs",
-        "--container", "lab-vllm",
-        "--interval-s", INTERVAL,
-        "--debounce", 5,
-        *args,
-    )  # fmt: skip
-
-
-def above_real_memory() -> int:
-    return 2 * meminfo_mib("MemTotal")
+    return watchdog_cmd(
+        state, "--container", "lab-vllm", "--debounce", 5, *args, interval_s=INTERVAL
+    )
 
 
 def finished_emergency(state: Path, timeout_s: float) -> dict:
