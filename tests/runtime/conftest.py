@@ -6,15 +6,25 @@ reach the block device and show up in /proc/self/io read_bytes.
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from sparkple.build import build_table, plan_build
 from sparkple.geometry import PLEGeometry
 from sparkple.synth import synth_checkpoint
+
+
+def direct_rows(path: Path, ids: np.ndarray, width: int) -> np.ndarray:
+    """Rows read with plain preads, an independent way to the same bytes: ids.shape + (width,)."""
+    ids = np.asarray(ids)
+    with open(path, "rb") as f:
+        flat = [os.pread(f.fileno(), width, int(i) * width) for i in ids.reshape(-1)]
+    return np.frombuffer(b"".join(flat), dtype=np.uint8).reshape(*ids.shape, width)
 
 
 @dataclass

@@ -12,14 +12,7 @@ from sparkple.errors import TableError
 from sparkple.table import open_table
 from sparkple.tablemeta import META_NAME, read_meta
 
-
-def direct_rows(path, ids, width):
-    """Rows read with plain preads: an independent way to the same bytes."""
-    with open(path, "rb") as f:
-        fd = f.fileno()
-        return np.stack(
-            [np.frombuffer(os.pread(fd, width, int(i) * width), dtype=np.uint8) for i in ids]
-        )
+from .conftest import direct_rows
 
 
 def test_open_maps_rows_read_only_and_matches_the_file(built_table):

@@ -7,7 +7,6 @@ must be carried correctly for the bytes to match).
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -21,13 +20,13 @@ from sparkple.stats import PLEStats, StatsFile, parse
 from sparkple.table import open_table
 from sparkple.worker import GatherWorker
 
+from .conftest import direct_rows
+
 H = 16
 
 
-def direct_rows(table, ids: np.ndarray) -> np.ndarray:
-    width = table.row_width
-    flat = [os.pread(table.fd, width, int(i) * width) for i in ids.reshape(-1)]
-    return np.frombuffer(b"".join(flat), dtype=np.uint8).reshape(*ids.shape, width)
+def table_rows(table, ids: np.ndarray) -> np.ndarray:
+    return direct_rows(table.data_path, ids, table.row_width)
 
 
 def random_request(rng, geometry, length: int) -> np.ndarray:
@@ -59,7 +58,7 @@ def test_double_buffered_steps_equal_direct_reads(table, built_table):
     for _ in range(6):
         reqs = [random_request(rng, g, int(n)) for n in rng.integers(1, 200, rng.integers(1, 5))]
         batch = fresh_batch(reqs, g)
-        steps.append((batch, direct_rows(table, row_ids(*batch, g))))
+        steps.append((batch, table_rows(table, row_ids(*batch, g))))
     with GatherWorker(table, g, max_tokens=1024, slots=2) as worker:
         worker.submit(1, *steps[0][0])
         worker.submit(2, *steps[1][0])
@@ -87,7 +86,7 @@ def test_chunked_prefill_with_contexts_equals_the_whole_sequence(table, built_ta
     seq_a = random_request(rng, g, 400)
     seq_a[[0, 57, 58, 199]] = g.eos_token_id  # EOS at a chunk edge and twice in a row
     seq_b = random_request(rng, g, 90)
-    whole = direct_rows(table, row_ids(*fresh_batch([seq_a, seq_b], g), g))
+    whole = table_rows(table, row_ids(*fresh_batch([seq_a, seq_b], g), g))
     want_a, want_b = whole[:400], whole[400:]
     cuts_a = [0, 1, 58, 200, 201, 400]  # chunks of 1, 57, 142, 1, 199 tokens
     cuts_b = [0, 45, 46, 90, 90, 90]
@@ -116,7 +115,7 @@ def test_decode_steps_one_token_per_request(table, built_table):
     g = built_table.geometry
     rng = np.random.default_rng(2)
     histories = [random_request(rng, g, 30) for _ in range(3)]
-    whole = [direct_rows(table, row_ids(*fresh_batch([h], g), g)) for h in histories]
+    whole = [table_rows(table, row_ids(*fresh_batch([h], g), g)) for h in histories]
     with GatherWorker(table, g, max_tokens=8) as worker:
         for pos in range(2, 30):
             ids = np.array([h[pos] for h in histories])
@@ -136,7 +135,7 @@ def test_row_ids_path_decode_and_errors(table, built_table):
     with GatherWorker(table, g, max_tokens=64, prefetch=Prefetcher(table)) as worker:
         worker.submit_row_ids(1, ids)
         staged = worker.wait(1)
-        want = direct_rows(table, ids)
+        want = table_rows(table, ids)
         np.testing.assert_array_equal(staged, want)
         decoded = worker.decode(1, staged, "cpu")
         np.testing.assert_array_equal(
@@ -172,8 +171,8 @@ def test_unreleased_slots_block_then_fail_clearly(table, built_table):
         worker.wait(1)
         worker.release(1)
         worker.submit_row_ids(3, one + 7, timeout_s=1)
-        np.testing.assert_array_equal(worker.wait(2)[0], direct_rows(table, one)[0])
-        np.testing.assert_array_equal(worker.wait(3)[0], direct_rows(table, one + 7)[0])
+        np.testing.assert_array_equal(worker.wait(2)[0], table_rows(table, one)[0])
+        np.testing.assert_array_equal(worker.wait(3)[0], table_rows(table, one + 7)[0])
 
 
 def test_a_table_for_another_model_is_refused(table, built_table):
@@ -214,7 +213,7 @@ def test_pinned_staging_and_cuda_decode(table, built_table):
         worker.submit_row_ids(1, ids)
         staged = worker.wait(1)
         on_gpu = worker.decode(1, staged, "cuda")
-        want = dequantize_rows(direct_rows(table, ids), table.meta.global_scale)
+        want = dequantize_rows(table_rows(table, ids), table.meta.global_scale)
         worker.release(1)  # waits for the async copy before the slot can be reused
         np.testing.assert_array_equal(on_gpu.cpu().numpy(), want)
 
