@@ -75,15 +75,13 @@ print(written)
 
 # The build child runs the CLI in-process and reports its own peak RSS: VmHWM belongs to the
 # exec'd image alone, while rusage of a child also counts the parent's memory before exec.
-BUILD_CODE = r"""
-import sys
-from sparkple.cli import main
-rc = main(sys.argv[1:])
-print(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")), file=sys.stderr)
-sys.exit(rc)
-"""
 HWM_LINE = (
     'print(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")), file=sys.stderr)\n'
+)
+BUILD_CODE = (
+    "import sys\nfrom sparkple.cli import main\nrc = main(sys.argv[1:])\n"
+    + HWM_LINE
+    + "sys.exit(rc)\n"
 )
 
 

@@ -17,12 +17,14 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout
 @pytest.fixture(scope="session")
 def snapshots(tmp_path_factory):
     """Build (and cache) small synthetic snapshots by name."""
-    cache: dict[str, Path] = {}
+    cache: dict[str, tuple[dict, Path]] = {}
 
     def get(name: str, **kwargs) -> Path:
         if name not in cache:
-            cache[name] = synth_checkpoint(tmp_path_factory.mktemp(name) / "snap", **kwargs)
-        return cache[name]
+            cache[name] = kwargs, synth_checkpoint(tmp_path_factory.mktemp(name) / "snap", **kwargs)
+        made_with, path = cache[name]
+        assert made_with == kwargs, f"snapshot {name!r} was made with {made_with}, not {kwargs}"
+        return path
 
     return get
 
