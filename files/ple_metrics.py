@@ -31,7 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from ple_host import read_meminfo, run_command
-from ple_state import SUPERVISOR_STATES, atomic_write_text, manual_stop_path, read_json
+from ple_state import (
+    INCIDENT_KINDS,
+    SUPERVISOR_STATES,
+    atomic_write_text,
+    count_markers,
+    manual_stop_path,
+    read_json,
+)
 
 PREFIX = "sparkple_"
 STATS_FORMAT, STATS_VERSION = "sparkple-ple-stats", 1
@@ -316,13 +323,8 @@ def collect_stats(out: Exposition, stats_dir: Path, max_age_s: float) -> None:
 
 # -- operations state -------------------------------------------------------------------------
 def collect_ops(out: Exposition, state_dir: Path) -> None:
-    kinds: dict[str, int] = {"emergency": 0, "wedged": 0}
-    for path in (state_dir / "markers").glob("*.json"):
-        kind = path.name.split("-", 1)[0]
-        if kind in kinds:
-            kinds[kind] += 1
     name = out.family("ops_incidents_total", "counter", "Incident markers recorded, by kind.")
-    for kind, n in sorted(kinds.items()):
+    for kind, n in sorted(count_markers(state_dir, INCIDENT_KINDS).items()):
         out.sample(name, n, {"kind": kind})
     sup = read_json(state_dir / "supervisor.json", {})
     state = sup.get("state") if isinstance(sup, dict) else None

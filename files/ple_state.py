@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 MARKERS = "markers"
+# Markers that record an incident: a memory emergency stop, or a wedged server stopped.
+INCIDENT_KINDS = frozenset({"emergency", "wedged"})
 MANUAL_STOP = "manual-stop"
 # Every state the supervisor records in supervisor.json (the metrics export one gauge each).
 SUPERVISOR_STATES = (
@@ -95,18 +97,35 @@ def write_marker(state_dir: Path, kind: str, t: float, payload: dict[str, Any]) 
     return path
 
 
+def _marker_paths(state_dir: Path, kind: str) -> list[Path]:
+    return list((state_dir / MARKERS).glob(f"{kind}-*.json"))
+
+
 def read_markers(state_dir: Path, kinds: set[str], since: float) -> list[dict[str, Any]]:
-    """Markers of the given kinds whose time is at or after `since`, oldest first."""
+    """Markers of the given kinds whose time is at or after `since`, oldest first.
+
+    Markers are never pruned and the supervisor asks every few seconds, so the name (kind and
+    a stamp that sorts by time) decides which files are worth parsing at all.
+    """
+    oldest = utc_stamp(since) if since > 0 else ""
     found = []
-    for path in sorted((state_dir / MARKERS).glob("*.json")):
-        data = read_json(path, None)
-        if not isinstance(data, dict) or data.get("kind") not in kinds:
-            continue
-        t = data.get("time")
-        if isinstance(t, int | float) and t >= since:
-            data["path"] = str(path)
-            found.append(data)
-    return found
+    for kind in kinds:
+        for path in _marker_paths(state_dir, kind):
+            if path.name[len(kind) + 1 : -len(".json")] < oldest:
+                continue
+            data = read_json(path, None)
+            if not isinstance(data, dict) or data.get("kind") != kind:
+                continue
+            t = data.get("time")
+            if isinstance(t, int | float) and t >= since:
+                data["path"] = str(path)
+                found.append(data)
+    return sorted(found, key=lambda marker: marker["time"])
+
+
+def count_markers(state_dir: Path, kinds: set[str]) -> dict[str, int]:
+    """How many markers of each kind were ever recorded (counted by name, none parsed)."""
+    return {kind: len(_marker_paths(state_dir, kind)) for kind in kinds}
 
 
 def manual_stop_path(state_dir: Path) -> Path:

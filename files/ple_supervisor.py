@@ -31,6 +31,7 @@ from typing import Any
 from ple_alert import Alerter
 from ple_host import run_command
 from ple_state import (
+    INCIDENT_KINDS,
     iso,
     locked,
     manual_stop_path,
@@ -153,7 +154,7 @@ class Supervisor:
         if st["launch_at"] is not None:
             # A launch that did not reach `stable_s`: failed, unless an incident explains it.
             launched = st["launch_at"]
-            explained = read_markers(self.state_dir, self.kinds | {"wedged"}, launched)
+            explained = read_markers(self.state_dir, self.kinds | INCIDENT_KINDS, launched)
             lived = round(now - launched, 1)
             if explained:
                 self.record(st, now, "down", cause=explained[-1].get("kind"), after_s=lived)
@@ -183,7 +184,7 @@ class Supervisor:
             return
         failed = {"attempt": st["restarts"], "waited_s": waited, "exit": result.returncode}
         # A watchdog that stopped the service while it was starting explains the failure.
-        explained = read_markers(self.state_dir, self.kinds | {"wedged"}, now)
+        explained = read_markers(self.state_dir, self.kinds | INCIDENT_KINDS, now)
         if explained:
             self.record(st, now, "down", cause=explained[-1].get("kind"), **failed)
         else:
@@ -315,7 +316,7 @@ def status(state_dir: Path, as_json: bool) -> int:
         "probe": read_json(state_dir / "probe.json", None),
         "incidents_24h": [
             {k: m.get(k) for k in ("kind", "time_iso", "reason", "path")}
-            for m in read_markers(state_dir, {"emergency", "wedged"}, now - 86400)
+            for m in read_markers(state_dir, INCIDENT_KINDS, now - 86400)
         ],
     }
     if as_json:

@@ -17,6 +17,7 @@ from ops_helpers import (
     wait_for,
     watchdog_cmd,
 )
+from ple_state import count_markers, read_markers, write_marker
 
 BASE = 0.5
 
@@ -232,3 +233,14 @@ def test_maintenance_relaunch_drains_and_restarts_without_a_down_event(tmp_path,
     assert len(relaunch) == 1 and relaunch[0]["drained"] is True
     time.sleep(0.5)
     assert events(state, "down") == [] and sup_state(state)["state"] == "running"
+
+
+def test_markers_are_read_by_kind_and_time_oldest_first(tmp_path):
+    state = tmp_path / "state"
+    for kind, t in (("emergency", 1_000.0), ("emergency", 3_000.0), ("wedged", 2_000.0)):
+        write_marker(state, kind, t, {"reason": f"{kind} at {t}"})
+    (state / "markers" / "emergency-19700101T000000.000001Z.json").write_text("not json")
+    (state / "markers" / "other-19700101T010000.000000Z.json").write_text('{"time": 5000}')
+    found = read_markers(state, {"emergency", "wedged"}, 1_500.0)
+    assert [(m["kind"], m["time"]) for m in found] == [("wedged", 2_000.0), ("emergency", 3_000.0)]
+    assert count_markers(state, {"emergency", "wedged"}) == {"emergency": 3, "wedged": 1}
