@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ple_state import iso, locked, read_json, write_json
+from ple_state import iso, locked, read_json_object, write_json
 
 ENV_URL = "PLE_ALERT_URL"
 
@@ -46,9 +46,7 @@ class Alerter:
         now = time.time()
         # The rate limit lives in the state dir because the probe is a new process every run.
         with locked(self.lock_path):
-            sent = read_json(self.state_path, {})
-            if not isinstance(sent, dict):
-                sent = {}
+            sent = read_json_object(self.state_path)
             last = sent.get(event)
             if isinstance(last, int | float) and now - last < self.min_interval_s:
                 return False

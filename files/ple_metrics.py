@@ -37,7 +37,7 @@ from ple_state import (
     atomic_write_text,
     count_markers,
     manual_stop_path,
-    read_json,
+    read_json_object,
 )
 
 PREFIX = "sparkple_"
@@ -326,8 +326,7 @@ def collect_ops(out: Exposition, state_dir: Path) -> None:
     name = out.family("ops_incidents_total", "counter", "Incident markers recorded, by kind.")
     for kind, n in sorted(count_markers(state_dir, INCIDENT_KINDS).items()):
         out.sample(name, n, {"kind": kind})
-    sup = read_json(state_dir / "supervisor.json", {})
-    state = sup.get("state") if isinstance(sup, dict) else None
+    state = read_json_object(state_dir / "supervisor.json").get("state")
     name = out.family("supervisor_state", "gauge", "1 for the supervisor's current state.")
     for s in SUPERVISOR_STATES:
         out.sample(name, int(state == s), {"state": s})

@@ -24,7 +24,7 @@ from typing import Any
 
 from ple_alert import Alerter
 from ple_host import run_command
-from ple_state import iso, manual_stop_path, read_json, update_json, write_json, write_marker
+from ple_state import iso, manual_stop_path, read_json_object, update_json, write_json, write_marker
 
 
 def log(message: str) -> None:
@@ -116,9 +116,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     state_path = args.state_dir / "probe.json"
-    state = read_json(state_path, {})
-    if not isinstance(state, dict):
-        state = {}
+    state = read_json_object(state_path)
     failures = int(state.get("consecutive_failures", 0))
     if manual_stop_path(args.state_dir).exists():
         log("manual stop in effect; not probing")

@@ -84,10 +84,15 @@ def read_json(path: Path, default: Any) -> Any:
         return default
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`, or {} when it is missing, unreadable or not an object."""
+    data = read_json(path, {})
+    return data if isinstance(data, dict) else {}
+
+
 def update_json(path: Path, fields: dict[str, Any]) -> None:
     """Merge `fields` into the JSON object in `path` (written atomically)."""
-    data = read_json(path, {})
-    write_json(path, {**(data if isinstance(data, dict) else {}), **fields})
+    write_json(path, {**read_json_object(path), **fields})
 
 
 def write_marker(state_dir: Path, kind: str, t: float, payload: dict[str, Any]) -> Path:

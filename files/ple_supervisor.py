@@ -36,6 +36,7 @@ from ple_state import (
     locked,
     manual_stop_path,
     read_json,
+    read_json_object,
     read_markers,
     write_json,
 )
@@ -74,10 +75,8 @@ class Supervisor:
 
     # -- state -------------------------------------------------------------------------------
     def load(self) -> dict[str, Any]:
-        data = read_json(self.path, None)
         state = fresh_state()
-        if isinstance(data, dict):
-            state.update({k: v for k, v in data.items() if k in state})
+        state.update({k: v for k, v in read_json_object(self.path).items() if k in state})
         return state
 
     def save(self, st: dict[str, Any], now: float) -> None:
