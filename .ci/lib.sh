@@ -1,0 +1,18 @@
+# Sourced by the .ci scripts that run pip or build the lab images.
+
+# pip, quietly; this machine's pip config names local indexes that may be absent, and the
+# "is ignored" lines pip prints about them are dropped. Usage: quiet_pip PIP ARGS...
+quiet_pip() {
+    local pip=$1
+    shift
+    "$pip" -q --disable-pip-version-check "$@" 2> >(grep -v 'is ignored' >&2)
+}
+
+# The hash of the inputs an image was built from (its org.sparkple.inputs label; empty when
+# the image is missing): an image whose label matches its inputs' hash is not rebuilt.
+image_inputs() {
+    docker image inspect --format '{{index .Config.Labels "org.sparkple.inputs"}}' "$1" 2>/dev/null || true
+}
+
+# The classic builder: the lab builds offline from local base images only.
+export DOCKER_BUILDKIT=0
