@@ -119,13 +119,36 @@ def dequantize_fp8_rows(rows: np.ndarray, scale: float) -> np.ndarray:
     return E4M3_TABLE[np.asarray(rows, dtype=np.uint8)] * np.float32(scale)
 
 
+def torch_tables(device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode tables on `device`: E2M1 pairs of every byte [256, 2] and E4M3 values [256].
+
+    A caller that decodes inside a CUDA graph makes them once, before capture, and passes them
+    to dequantize_rows_torch: copying them to the device during a capture is not allowed.
+    """
+    import torch
+
+    return (
+        torch.from_numpy(_BYTE_PAIRS.copy()).to(device),
+        torch.from_numpy(E4M3_TABLE.copy()).to(device),
+    )
+
+
 _torch_tables: dict[Any, tuple[Any, Any]] = {}
 
 
 def dequantize_rows_torch(
-    packed: torch.Tensor, global_scale: float, head_dim: int = 160, dtype: Any = None
+    packed: torch.Tensor,
+    global_scale: float,
+    head_dim: int = 160,
+    dtype: Any = None,
+    *,
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Torch version of dequantize_rows; runs on the tensor's device (CPU or CUDA)."""
+    """Torch version of dequantize_rows; runs on the tensor's device (CPU or CUDA).
+
+    Device work only (no host synchronization), so it may run inside a captured CUDA graph
+    when `tables` (from torch_tables) are passed.
+    """
     import torch
 
     dtype = torch.float32 if dtype is None else dtype
@@ -136,13 +159,11 @@ def dequantize_rows_torch(
         raise ValueError(
             f"packed rows are {packed.shape[-1]} B wide, expected {cw + head_dim // 16}"
         )
-    key = packed.device
-    if key not in _torch_tables:
-        _torch_tables[key] = (
-            torch.from_numpy(_BYTE_PAIRS.copy()).to(key),
-            torch.from_numpy(E4M3_TABLE.copy()).to(key),
-        )
-    pairs_t, e4m3_t = _torch_tables[key]
+    if tables is None:
+        if packed.device not in _torch_tables:
+            _torch_tables[packed.device] = torch_tables(packed.device)
+        tables = _torch_tables[packed.device]
+    pairs_t, e4m3_t = tables
     lead = packed.shape[:-1]
     pairs = pairs_t[packed[..., :cw].long()].reshape(*lead, head_dim // BLOCK, BLOCK)
     scales = e4m3_t[packed[..., cw:].long()].unsqueeze(-1)

@@ -4,8 +4,8 @@ Producer side (the model runner, a layer ahead of the PLE layer):
     worker.submit(seq, input_ids, query_start_loc, ngram_context)   # or submit_row_ids
 Consumer side (the PLE layer):
     rows = worker.wait(seq)          # uint8[T, H, row_width] view of a staging slot
-    ...copy rows to the GPU (or worker.decode(seq, device))...
-    worker.release(seq)              # the slot may be refilled
+    worker.upload(seq, rows, out)    # asynchronous copy into a device buffer (or decode(...))
+    worker.release(seq)              # the slot may be refilled (waits for that copy)
 
 For each step the thread computes the row ids (sparkple.ngram), prefetches their pages,
 gathers the rows into a free staging slot and then publishes seq through the handshake. With
@@ -57,6 +57,18 @@ class StepInfo:
     error: BaseException | None = None
 
 
+def host_tensor(shape: tuple[int, ...], dtype: str, *, pin: bool) -> torch.Tensor:
+    """A zeroed host tensor, pinned when asked and torch has CUDA.
+
+    The device is named: vLLM builds models inside `with torch.device("cuda")`, where a bare
+    `torch.empty(..., pin_memory=True)` would resolve to a pinned CUDA tensor and fail.
+    """
+    import torch
+
+    pin = pin and torch.cuda.is_available()
+    return torch.zeros(shape, dtype=getattr(torch, dtype), device="cpu", pin_memory=pin)
+
+
 def check_geometry(table: PackedTable, geometry: PLEGeometry) -> None:
     """The table must be the one built for this model's PLE geometry (TableError otherwise)."""
     check_expect(table.meta, geometry_fields(geometry), table.table_dir)
@@ -66,8 +78,9 @@ class GatherWorker:
     """A gather thread with `slots` staging buffers of max_tokens x heads x row_width bytes.
 
     prefetch: True (a Prefetcher with defaults), False, or a Prefetcher to use.
-    pin_memory: allocate staging as pinned host memory (needs torch with CUDA) so the GPU
-      copy can be asynchronous.
+    pin_memory: allocate staging as pinned host memory when torch has CUDA, so the GPU copy
+      can be asynchronous (plain host memory without CUDA). Always on the CPU, whatever
+      device context the caller constructs the worker in.
     stats: counters and the handshake-wait histogram to record into (sparkple.stats), which
       the metrics exporter reads.
     """
@@ -95,9 +108,7 @@ class GatherWorker:
         shape = (slots, max_tokens, geometry.num_heads, table.row_width)
         self._pinned: torch.Tensor | None = None
         if pin_memory:
-            import torch
-
-            self._pinned = torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+            self._pinned = host_tensor(shape, "uint8", pin=True)
             self.staging = self._pinned.numpy()
         else:
             self.staging = np.empty(shape, dtype=np.uint8)
@@ -256,6 +267,20 @@ class GatherWorker:
         if meta.quant == "nvfp4":
             return dequantize_rows_torch(packed, meta.global_scale, meta.head_dim, dtype=dtype)
         return (packed.view(torch.float8_e4m3fn).float() * meta.global_scale).to(dtype)
+
+    def upload(self, seq: int, rows: np.ndarray, out: torch.Tensor) -> None:
+        """Copy a waited step's rows into out[:T] (a device buffer), asynchronously from pinned
+        staging; release(seq) waits for the copy before the slot can be refilled."""
+        import torch
+
+        host = torch.from_numpy(rows)
+        target = out[: host.shape[0]]
+        target.copy_(host.view(target.shape), non_blocking=self._pinned is not None)
+        if target.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            with self._lock:
+                self._events[seq] = event
 
     def release(self, seq: int) -> None:
         """Give step `seq`'s staging slot back to the worker."""

@@ -203,6 +203,37 @@ def test_a_dead_worker_thread_is_reported_within_a_second(table, built_table):
         worker.close()
 
 
+def test_staging_is_host_memory_inside_another_device_context(table, built_table):
+    """vLLM builds models inside `with torch.device(...)`: pinned staging must still be host
+    memory (a bare pin_memory=True there resolves to that device; under "meta" it has no data)."""
+    torch = pytest.importorskip("torch")
+    ids = np.random.default_rng(5).integers(0, table.total_rows, (8, H))
+    with torch.device("meta"):
+        worker = GatherWorker(table, built_table.geometry, max_tokens=8, pin_memory=True)
+    with worker:
+        assert worker.staging.ctypes.data != 0
+        worker.submit_row_ids(1, ids)
+        staged = worker.wait(1)
+        out = torch.zeros((8, H, table.row_width), dtype=torch.uint8)
+        worker.upload(1, staged, out)
+        worker.release(1)
+        np.testing.assert_array_equal(out.numpy(), table_rows(table, ids))
+
+
+def test_upload_fills_the_head_of_a_persistent_buffer(table, built_table):
+    torch = pytest.importorskip("torch")
+    ids = np.random.default_rng(6).integers(0, table.total_rows, (5, H))
+    out = torch.full((16, H, table.row_width), 7, dtype=torch.uint8)
+    address = out.data_ptr()
+    with GatherWorker(table, built_table.geometry, max_tokens=16) as worker:
+        worker.submit_row_ids(1, ids)
+        worker.upload(1, worker.wait(1), out)
+        worker.release(1)
+    assert out.data_ptr() == address  # written in place: a captured graph reads this address
+    np.testing.assert_array_equal(out[:5].numpy(), table_rows(table, ids))
+    assert (out[5:] == 7).all()  # the rest is the caller's (the backend zeroes padding rows)
+
+
 @pytest.mark.gpu
 def test_pinned_staging_and_cuda_decode(table, built_table):
     torch = pytest.importorskip("torch")

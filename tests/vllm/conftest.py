@@ -23,7 +23,10 @@ SOURCES_DIR = CACHE / f"vllm-{VLLM_VERSION}-sources"
 VENV_DIR = CACHE / "vllm-venv"
 HERE = Path(__file__).resolve().parent
 # Everything below vllm/ in the wheel that the profile and the integration test read.
-EXTRACT_PREFIXES = ("vllm/models/qwen4_exp/",)
+EXTRACT_PREFIXES = (
+    "vllm/models/qwen4_exp/",
+    "vllm/model_executor/model_loader/ep_weight_filter.py",
+)
 # torch 2.13.0 (CPU) is a local file pip finds; vLLM's own pin (2.14) would download GBs.
 TORCH_PIN = "torch==2.13.0"
 
@@ -33,14 +36,15 @@ def vllm_originals() -> Path:
     """The extracted `vllm` package directory (paths inside it as the profile names them)."""
     wheel = vllm_wheel()
     done = SOURCES_DIR / ".complete"
+    stamp = f"{wheel.name}\n{EXTRACT_PREFIXES}\n"
     with locked("vllm-sources"):
-        if not done.is_file():
+        if not (done.is_file() and done.read_text() == stamp):
             shutil.rmtree(SOURCES_DIR, ignore_errors=True)
             with zipfile.ZipFile(wheel) as archive:
                 for member in archive.namelist():
                     if member.startswith(EXTRACT_PREFIXES) and member.endswith(".py"):
                         archive.extract(member, SOURCES_DIR)
-            done.write_text(wheel.name + "\n")
+            done.write_text(stamp)
     return SOURCES_DIR / "vllm"
 
 

@@ -2,16 +2,20 @@
 
 Usage: python ple_equivalence.py DEVICE RENDERED_DIR RESULT_JSON SNAPSHOT=TABLE_DIR [...]
 
-Builds vLLM 0.33.0's own `Qwen4ExpNGramEmbedding` from a synthetic checkpoint twice: with the
-stock device backend (rows loaded into a tensor), and with the rendered patch files laid over
-the package (as the bind mounts do in the serving container) and VLLM_PLE_PACKED_TABLE_DIR
-naming the table built from the same checkpoint. Writes what it observed, per checkpoint
-quantization, to RESULT_JSON; the pytest side asserts on it.
+Builds vLLM 0.33.0's own `Qwen4ExpNGramEmbedding` from a synthetic checkpoint twice, loading
+its weights through vLLM's own safetensors iterator: with the stock device backend (rows loaded
+into a tensor), and with the rendered patch files laid over the package (as the bind mounts do
+in the serving container) and VLLM_PLE_PACKED_TABLE_DIR naming the table built from the same
+checkpoint. Each step runs as vLLM's V2 runner runs it: vLLM's own (patched)
+`Qwen4ExpModelState.prepare_inputs` builds the PLE inputs from the request state and runs the
+host step, then the forward reads the layer's device buffer. Writes what it observed, per
+checkpoint quantization, to RESULT_JSON; the pytest side asserts on it.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -19,25 +23,39 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
 MAX_TOKENS = 512
 PLE_DECODER_LAYER = 1  # ple_layer_ids [2] is one-based
 # "cpu" (CI) or "cuda" (where vLLM's Triton kernels and the pinned-staging copy run)
 DEVICE = torch.device(sys.argv[1])
 NGRAM_MODULE = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
+STATE_MODULE = "vllm.models.qwen4_exp.nvidia.model_state"
+LOADER_FILTER = "vllm.model_executor.model_loader.ep_weight_filter"
+MAX_REQS = 8
+MAX_MODEL_LEN = 1024
 
 
 @contextmanager
 def vllm_context(workdir: Path) -> Iterator[None]:
     """The least of vLLM's setup these modules need: a config and world-size-1 groups (gloo)."""
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import DeviceConfig, SchedulerConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
-    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device=DEVICE.type))):
+    config = VllmConfig(
+        device_config=DeviceConfig(device=DEVICE.type),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=MAX_REQS,
+            max_num_batched_tokens=MAX_TOKENS,
+            max_model_len=MAX_MODEL_LEN,
+            is_encoder_decoder=False,
+        ),
+    )
+    with set_current_vllm_config(config):
         init_distributed_environment(
             world_size=1,
             rank=0,
@@ -55,24 +73,25 @@ def rss_bytes() -> int:
 
 
 def checkpoint_weights(snapshot: Path, prefix: str, peak: dict):
-    """(name relative to the PLE module, tensor) pairs, read lazily like vLLM's loader.
+    """(name relative to the PLE module, tensor) pairs from vLLM's own safetensors iterator.
 
-    safetensors maps each file; a tensor's pages enter RSS only when something reads them.
-    peak["rss"] records the most RSS grew while the loader held a tensor.
+    It maps each file (the serving recipe's lazy strategy); a tensor's pages enter RSS only when
+    something reads them. peak["rss"] records the most RSS grew while the loader held a tensor;
+    peak["materialized"] lists the names the iterator read (it reads a tensor right before it
+    yields it).
     """
-    index = json.loads((snapshot / "model.safetensors.index.json").read_text())
-    by_file: dict[str, list[str]] = {}
-    for name, file in index["weight_map"].items():
-        if name.startswith(prefix):
-            by_file.setdefault(file, []).append(name)
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+
+    files = sorted(str(path) for path in snapshot.glob("*.safetensors"))
     base = rss_bytes()
     peak["rss"] = 0
-    for file, names in sorted(by_file.items()):
-        with safe_open(str(snapshot / file), framework="pt") as handle:
-            for name in names:
-                yield name[len(prefix) :], handle.get_tensor(name)
-                # the consumer is done with this tensor; it is still referenced here
-                peak["rss"] = max(peak["rss"], rss_bytes() - base)
+    peak["materialized"] = []
+    for name, tensor in safetensors_weights_iterator(files, False, "lazy"):
+        peak["materialized"].append(name)
+        if name.startswith(prefix):
+            yield name[len(prefix) :], tensor
+            # the consumer is done with this tensor; it is still referenced here
+            peak["rss"] = max(peak["rss"], rss_bytes() - base)
 
 
 def build(module, config, snapshot: Path, prefix: str, dtype: torch.dtype):
@@ -91,11 +110,12 @@ def build(module, config, snapshot: Path, prefix: str, dtype: torch.dtype):
     embedding = layer.ngram_embedding
     embedding.embedding_method.process_weights_after_loading(embedding)
     layer.load_rss_growth = peak["rss"]
+    layer.materialized = peak["materialized"]
     return layer, loaded
 
 
-def run(layer, input_ids, query_start_loc, ngram_context) -> torch.Tensor:
-    """One forward step of the PLE module, as the model runs it (prefetch one layer early)."""
+def forward(layer, input_ids, query_start_loc, ngram_context) -> torch.Tensor:
+    """The PLE module inside one forward, as the model runs it (prefetch one layer early)."""
     hidden = torch.empty(input_ids.shape[0], 0, device=DEVICE)
     layer.start_prefetch(input_ids, query_start_loc, ngram_context)
     rows = layer(hidden, input_ids, query_start_loc, ngram_context)
@@ -103,21 +123,103 @@ def run(layer, input_ids, query_start_loc, ngram_context) -> torch.Tensor:
     return layer.ngram_embedding.dequantize(rows, layer.ngram_embedding.params_dtype)
 
 
-def make_batches(vocab: int, eos: int, seed: int):
-    """Multi-request batches with EOS inside requests and contexts from earlier chunks."""
-    rng = np.random.default_rng(seed)
-    batches = []
-    for lengths in ([1, 7, 30, 50], [1, 1, 1, 1, 1], [120], [3, 64, 2]):
-        tokens = rng.integers(0, vocab, size=sum(lengths))
-        tokens[rng.random(tokens.shape[0]) < 0.1] = eos
-        starts = np.concatenate([[0], np.cumsum(lengths)])
-        context = rng.integers(0, vocab, size=(len(lengths), 2))
-        context[rng.random(context.shape) < 0.3] = eos
-        batches.append((tokens, starts, context))
-    return batches
+def model_state(state_module, model, text_config):
+    """vLLM's own Qwen4ExpModelState from the (patched) wheel file, on this device.
+
+    Its base classes' constructors build runner-wide state (RoPE, prompt embeddings, mamba
+    bookkeeping) that needs a full model config; the Qwen4Exp class's own constructor,
+    prepare_inputs and prepare_dummy_inputs - the code the PLE inputs come from - run as
+    shipped. The base constructor is replaced by the attributes those methods read.
+    """
+    from vllm.config import get_current_vllm_config
+    from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
+
+    current = get_current_vllm_config()
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(hf_text_config=text_config),
+        scheduler_config=current.scheduler_config,
+        parallel_config=current.parallel_config,
+    )
+
+    def base_init(self, vllm_config, model, encoder_cache, device):
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.scheduler_config = vllm_config.scheduler_config
+        self.model = model
+        self.device = device
+        self.max_num_reqs = self.scheduler_config.max_num_seqs
+        self.max_num_tokens = self.scheduler_config.max_num_batched_tokens
+        self.supports_mm_inputs = False
+        self.prompt_embeds_state = None
+        self.rope_state = None  # 1D positions: the default state's prepare_inputs adds none
+
+    with mock.patch.object(MambaHybridModelState, "__init__", base_init):
+        return state_module.Qwen4ExpModelState(config, model, None, DEVICE)
 
 
-def chunked_sequence(vocab: int, eos: int, seed: int, length: int = 300):
+class Runner:
+    """The V2 runner's side of a step, reduced to what the PLE inputs are built from: the
+    request state (each request's tokens and how many are computed) and the input batch."""
+
+    def __init__(self, state) -> None:
+        self.state = state
+        self.all_token_ids = torch.zeros(MAX_REQS, MAX_MODEL_LEN, dtype=torch.int32, device=DEVICE)
+        self.num_computed = torch.zeros(MAX_REQS, dtype=torch.int32, device=DEVICE)
+        self.req_id_to_index: dict[str, int] = {}
+        self.rng = np.random.default_rng(11)
+
+    def add(self, req_id: str, tokens: np.ndarray) -> None:
+        index = len(self.req_id_to_index)
+        self.req_id_to_index[req_id] = index
+        self.all_token_ids[index, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.int32)
+
+    def rewrite(self, req_id: str, start: int, tokens: np.ndarray) -> None:
+        """Later tokens replaced, as when speculated tokens are rejected and resampled."""
+        index = self.req_id_to_index[req_id]
+        self.all_token_ids[index, start : start + len(tokens)] = torch.as_tensor(
+            tokens, dtype=torch.int32
+        )
+
+    def step(self, scheduled, *, pad_tokens: int = 0, pad_reqs: int = 0, dummy: bool = False):
+        """scheduled: (request id, tokens computed before, tokens this step) per request.
+
+        Returns (input_ids, query_start_loc, ngram_context, number of real tokens) as the
+        model's forward receives them; padding tokens and requests are added as CUDA-graph
+        padding adds them.
+        """
+        indices, lengths, chunks = [], [], []
+        for req_id, computed, count in scheduled:
+            index = self.req_id_to_index.get(req_id, len(indices))
+            indices.append(index)
+            lengths.append(count)
+            self.num_computed[index] = computed
+            chunks.append(self.all_token_ids[index, computed : computed + count].clone())
+        num_real = sum(lengths)
+        garbage = torch.as_tensor(self.rng.integers(0, 1000, size=pad_tokens), dtype=torch.int32)
+        input_ids = torch.cat([*chunks, garbage.to(DEVICE)])
+        starts = np.concatenate([[0], np.cumsum(lengths), [num_real] * pad_reqs])
+        batch = SimpleNamespace(
+            req_ids=[
+                f"dummy-{i}" if dummy else req_id for i, (req_id, _, _) in enumerate(scheduled)
+            ],
+            num_reqs=len(scheduled),
+            num_reqs_after_padding=len(scheduled) + pad_reqs,
+            idx_mapping=torch.as_tensor(indices + [0] * pad_reqs, dtype=torch.int32, device=DEVICE),
+            query_start_loc=torch.as_tensor(starts, dtype=torch.int32, device=DEVICE),
+            input_ids=input_ids,
+            num_tokens=num_real,
+            num_tokens_after_padding=num_real + pad_tokens,
+        )
+        requests = SimpleNamespace(
+            req_id_to_index=self.req_id_to_index,
+            all_token_ids=SimpleNamespace(gpu=self.all_token_ids),
+            num_computed_tokens=SimpleNamespace(gpu=self.num_computed),
+        )
+        inputs = self.state.prepare_inputs(batch, requests)
+        return input_ids, inputs["query_start_loc"], inputs["ngram_context"], num_real
+
+
+def request_tokens(vocab: int, eos: int, seed: int, length: int = 300) -> np.ndarray:
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, vocab, size=length)
     tokens[rng.random(length) < 0.05] = eos
@@ -125,26 +227,34 @@ def chunked_sequence(vocab: int, eos: int, seed: int, length: int = 300):
     return tokens
 
 
-def as_step(tokens, starts, context):
-    return tuple(
-        torch.as_tensor(np.asarray(x), dtype=torch.int64, device=DEVICE)
-        for x in (tokens, starts, context)
+def schedule(runner: Runner, vocab: int, eos: int):
+    """The steps every layer sees: mixed chunked prefill and decode with padding, speculative
+    verification with a rejection, one request whole, and the same request in chunks."""
+    for r in range(4):
+        runner.add(f"r{r}", request_tokens(vocab, eos, seed=10 + r))
+    whole = request_tokens(vocab, eos, seed=20)
+    runner.add("whole", whole)
+    runner.add("chunked", whole)
+    yield (
+        "mixed prefill",
+        [("r0", 0, 50), ("r1", 0, 128), ("r2", 0, 7)],
+        {"pad_tokens": 5, "pad_reqs": 1},
     )
-
-
-def outputs_for(layer, batches, sequence, eos: int) -> list[torch.Tensor]:
-    results = [run(layer, *as_step(*batch)) for batch in batches]
-    # one request in chunks (prefill 128, 128, then decode steps of one token)
-    whole = run(layer, *as_step(sequence, [0, len(sequence)], [[eos, eos]]))
-    pieces, position = [], 0
-    for size in [128, 128] + [1] * (len(sequence) - 256):
-        chunk = sequence[position : position + size]
-        before = [eos, eos] + list(sequence[:position])
-        pieces.append(run(layer, *as_step(chunk, [0, size], [before[-2:]])))
+    yield "chunk and decode", [("r1", 128, 128), ("r0", 50, 60), ("r2", 7, 1), ("r3", 0, 30)], {}
+    yield (
+        "uniform decode",
+        [("r0", 110, 1), ("r1", 256, 1), ("r2", 8, 1), ("r3", 30, 1)],
+        {"pad_tokens": 4, "pad_reqs": 4},
+    )
+    yield "verify drafts", [("r0", 111, 4), ("r1", 257, 4)], {}
+    # two of r0's three drafts were rejected: the tokens after the accepted one change
+    runner.rewrite("r0", 113, np.random.default_rng(30).integers(0, vocab, size=20))
+    yield "after rejection", [("r0", 113, 4), ("r1", 261, 4)], {"pad_tokens": 8}
+    yield "whole", [("whole", 0, len(whole))], {}
+    position = 0
+    for size in [128, 128] + [1] * (len(whole) - 256):
+        yield "chunked", [("chunked", position, size)], {}
         position += size
-    results.append(whole)
-    results.append(torch.cat(pieces))
-    return results
 
 
 def kernel_order_step(layer, input_ids, query_start_loc, ngram_context) -> torch.Tensor:
@@ -171,16 +281,45 @@ def resident_bytes(layer) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta")
 
 
-def patched_module(rendered: Path):
-    """The patched files laid over the package, as the container's bind mounts do."""
+def seed_loader_filter(rendered: Path) -> None:
+    """The patched loader filter in place before vLLM's model loader first imports it (the
+    container's bind mount lays it over the image's file before the server starts)."""
+    if LOADER_FILTER in sys.modules:
+        raise RuntimeError(f"{LOADER_FILTER} was imported before the patch was laid over it")
+    path = rendered / "model_executor" / "model_loader" / "ep_weight_filter.py"
+    spec = importlib.util.spec_from_file_location(LOADER_FILTER, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[LOADER_FILTER] = module
+    spec.loader.exec_module(module)
+
+
+def patched_modules(rendered: Path):
+    """The patched n-gram and model-state modules, laid over the package as the mounts do."""
     for package in ("vllm.models.qwen4_exp.nvidia", "vllm.models.qwen4_exp.common"):
         sub = package.split(".", 1)[1].replace(".", "/")
         importlib.import_module(package).__path__.insert(0, str(rendered / sub))
     sys.modules.pop(NGRAM_MODULE)
-    return importlib.import_module(NGRAM_MODULE)
+    sys.modules.pop(STATE_MODULE, None)
+    return importlib.import_module(NGRAM_MODULE), importlib.import_module(STATE_MODULE)
 
 
-def compare(stock_module, patched, snapshot: Path, table_dir: Path, work: Path) -> dict:
+def as_tensors(*arrays):
+    return tuple(torch.as_tensor(np.asarray(x), dtype=torch.int64, device=DEVICE) for x in arrays)
+
+
+def counters(embedding) -> tuple[int, int, int]:
+    """Rows gathered, gathers and handshake waits the backend has recorded."""
+    snapshot = embedding._stats.snapshot()
+    done = snapshot["counters"]
+    return done["rows_gathered"], done["gather_calls"], snapshot["handshake_wait_seconds"]["count"]
+
+
+def in_forward(embedding, num_tokens: int) -> torch.Tensor:
+    """What the PLE layer runs of the backend inside the forward: lookup, then dequantize."""
+    return embedding.dequantize(embedding.finalize_prefetch(num_tokens), embedding.params_dtype)
+
+
+def compare(stock_module, patched, state_module, snapshot: Path, table_dir: Path) -> dict:
     from transformers import Qwen4ExpTextConfig
 
     from sparkple.geometry import PLEGeometry
@@ -194,19 +333,20 @@ def compare(stock_module, patched, snapshot: Path, table_dir: Path, work: Path) 
     eos, vocab = int(config.eos_token_id), int(config.vocab_size)
     nvfp4 = raw["text_config"]["ple_embedding_dtype"] == "nvfp4"
     result["quant"] = "nvfp4" if nvfp4 else "fp8"
-    batches = make_batches(vocab, eos, seed=1)
-    sequence = chunked_sequence(vocab, eos, seed=2)
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
+    def shard_reads(layer) -> int:
+        return sum(".ngram_embedding.shard_" in name for name in layer.materialized)
+
     os.environ.pop("VLLM_PLE_PACKED_TABLE_DIR", None)
-    stock_layers = {k: build(stock_module, config, snapshot, prefix, d) for k, d in dtypes.items()}
-    stock = {
-        k: outputs_for(layer, batches, sequence, eos) for k, (layer, _) in stock_layers.items()
+    stock_layers = {
+        k: build(stock_module, config, snapshot, prefix, d)[0] for k, d in dtypes.items()
     }
-    stock_layer = stock_layers["float32"][0]
+    stock_layer = stock_layers["float32"]
     result["stock_backend"] = type(stock_layer.ngram_embedding).__name__
     result["stock_resident_bytes"] = resident_bytes(stock_layer)
     result["stock_load_rss_growth"] = stock_layer.load_rss_growth
+    result["stock_shard_tensors_read"] = shard_reads(stock_layer)
 
     # sparkple.ngram against vLLM's own compute_ngram_ids, random batches
     rng = np.random.default_rng(3)
@@ -218,24 +358,32 @@ def compare(stock_module, patched, snapshot: Path, table_dir: Path, work: Path) 
         starts = np.concatenate([[0], np.cumsum(lengths)])
         context = rng.integers(0, vocab, size=(len(lengths), 2))
         context[rng.random(context.shape) < 0.3] = eos
-        theirs = stock_layer.compute_ngram_ids(*as_step(tokens, starts, context)).cpu().numpy()
+        theirs = stock_layer.compute_ngram_ids(*as_tensors(tokens, starts, context)).cpu().numpy()
         ours = row_ids(tokens, starts, context, geometry)
         mismatched += int(not np.array_equal(theirs, ours))
     result["ngram_trials"] = 50
     result["ngram_mismatched"] = mismatched
 
     os.environ["VLLM_PLE_PACKED_TABLE_DIR"] = str(table_dir)
-    patched_layers = {k: build(patched, config, snapshot, prefix, d) for k, d in dtypes.items()}
+    patched_built = {k: build(patched, config, snapshot, prefix, d) for k, d in dtypes.items()}
+    patched_layers = {k: layer for k, (layer, _) in patched_built.items()}
     result["patched_module_file"] = patched.__file__
-    layer, loaded = patched_layers["float32"]
+    layer, loaded = patched_built["float32"]
     embedding = layer.ngram_embedding
     result["patched_backend"] = type(embedding).__name__
     result["patched_loaded"] = sorted(loaded)
     result["patched_weight_devices"] = sorted(
         {embedding.weight.device.type} | ({embedding.weight_scale.device.type} if nvfp4 else set())
     )
-    result["patched_resident_bytes"] = resident_bytes(layer)
+    # the backend's own per-step buffers (rows of one step, decode tables) apart from the table
+    step_buffers = sum(b.numel() * b.element_size() for b in embedding.buffers())
+    result["patched_step_buffer_bytes"] = step_buffers
+    result["patched_resident_bytes"] = resident_bytes(layer) - step_buffers
     result["patched_load_rss_growth"] = layer.load_rss_growth
+    result["patched_shard_tensors_read"] = shard_reads(layer)
+    result["patched_tensors_read"] = sorted(
+        name[len(prefix) :] for name in layer.materialized if name.startswith(prefix)
+    )
     result["table_bytes"] = int(embedding.table.meta.data_bytes)
     result["table_advice"] = embedding.table.advice
     scale = embedding.weight_scale_2 if nvfp4 else embedding.weight_scale
@@ -245,41 +393,106 @@ def compare(stock_module, patched, snapshot: Path, table_dir: Path, work: Path) 
         torch.equal(getattr(layer, name), getattr(stock_layer, name))
         for name in ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
     )
-    patched_out = {
-        k: outputs_for(layer, batches, sequence, eos) for k, (layer, _) in patched_layers.items()
-    }
-    for name in dtypes:
-        pairs = list(zip(stock[name], patched_out[name], strict=True))
-        result[f"{name}_steps"] = len(pairs)
-        result[f"{name}_identical"] = [bool(torch.equal(a, b)) for a, b in pairs]
-        result[f"{name}_max_abs_diff"] = max(
-            float((a.float() - b.float()).abs().max()) for a, b in pairs
+
+    # constructed where vLLM would build it on another device: host buffers stay on the CPU
+    with torch.device("meta"):
+        meta_layer = patched.Qwen4ExpNGramEmbedding(
+            config,
+            int(config.ple_embed_dim),
+            0,
+            MAX_TOKENS,
+            data_parallel_rank=0,
+            prefix=prefix.rstrip("."),
+            params_dtype=torch.float32,
         )
-        result[f"{name}_shapes_equal"] = all(a.shape == b.shape for a, b in pairs)
-        result[f"{name}_nonzero"] = all(bool(a.abs().sum() > 0) for a, _ in pairs)
-    if nvfp4:
-        # float32: bit-exact with vLLM's CUDA kernel order, one rounding from its CPU path
-        reference = [kernel_order_step(stock_layer, *as_step(*batch)) for batch in batches]
-        pairs = list(zip(reference, patched_out["float32"][: len(reference)], strict=True))
-        result["float32_identical_to_kernel_order"] = [bool(torch.equal(a, b)) for a, b in pairs]
-    result["float32_max_rel_diff_to_cpu_path"] = max(
-        float(((a - b).abs() / a.abs().clamp_min(1e-30)).max())
-        for a, b in zip(stock["float32"], patched_out["float32"], strict=True)
-    )
-    # chunked == whole, within each path
-    result["chunked_equals_whole"] = bool(
-        torch.equal(patched_out["float32"][-1], patched_out["float32"][-2])
-        and torch.equal(stock["float32"][-1], stock["float32"][-2])
-    )
-    for layer, _ in patched_layers.values():
+    meta = meta_layer.ngram_embedding
+    result["meta_device_buffers"] = sorted({b.device.type for b in meta.buffers()})
+    host = [*meta._host_inputs, torch.from_numpy(meta._worker.staging)]
+    result["meta_host_buffers"] = sorted({t.device.type for t in host})
+    meta.close()
+
+    # every step through vLLM's model state: its prepare_inputs runs the host step
+    state = model_state(state_module, torch.nn.ModuleList(patched_layers.values()), config)
+    runner = Runner(state)
+    steps = {k: [] for k in dtypes}
+    for name, scheduled, padding in schedule(runner, vocab, eos):
+        input_ids, qsl, ctx, real = runner.step(scheduled, **padding)
+        for key, dtype in dtypes.items():
+            ours = forward(patched_layers[key], input_ids, qsl, ctx)
+            theirs = forward(stock_layers[key], input_ids, qsl, ctx)
+            kernel = (
+                kernel_order_step(stock_layers[key], input_ids, qsl, ctx).to(dtype)
+                if nvfp4
+                else theirs
+            )
+            steps[key].append((name, ours[:real], theirs[:real], kernel[:real], ours[real:]))
+        if not result.get("compiled_steps"):
+            # the in-forward path under torch.compile(fullgraph=True): any graph break or
+            # host synchronization raises
+            torch._dynamo.reset()
+            result["compiled_steps"] = []
+            for key in dtypes:
+                emb = patched_layers[key].ngram_embedding
+                compiled = torch.compile(in_forward, fullgraph=True, backend="eager")
+                eager = in_forward(emb, input_ids.shape[0])
+                result["compiled_steps"].append(
+                    bool(torch.equal(compiled(emb, input_ids.shape[0]), eager))
+                )
+    for key in dtypes:
+        done = steps[key]
+        result[f"{key}_steps"] = len(done)
+        result[f"{key}_identical"] = [bool(torch.equal(o, t)) for _, o, t, _, _ in done]
+        result[f"{key}_identical_to_kernel_order"] = [
+            bool(torch.equal(o, k)) for _, o, _, k, _ in done
+        ]
+        result[f"{key}_max_abs_diff"] = max(
+            float((o.float() - t.float()).abs().max()) for _, o, t, _, _ in done
+        )
+        result[f"{key}_max_rel_diff"] = max(
+            float(((o.float() - t.float()).abs() / t.float().abs().clamp_min(1e-30)).max())
+            for _, o, t, _, _ in done
+        )
+        result[f"{key}_nonzero"] = all(bool(t.abs().sum() > 0) for _, _, t, _, _ in done)
+        result[f"{key}_padding_rows_zero"] = all(
+            bool((p.float() == 0).all()) for *_, p in done
+        ) and any(p.shape[0] > 0 for *_, p in done)
+        whole = [o for n, o, _, _, _ in done if n == "whole"]
+        chunked = torch.cat([o for n, o, _, _, _ in done if n == "chunked"])
+        stock_whole = [t for n, _, t, _, _ in done if n == "whole"]
+        stock_chunked = torch.cat([t for n, _, t, _, _ in done if n == "chunked"])
+        result[f"{key}_chunked_equals_whole"] = bool(
+            torch.equal(whole[0], chunked) and torch.equal(stock_whole[0], stock_chunked)
+        )
+    result["step_names"] = [n for n, *_ in steps["float32"]]
+
+    # dummy, profile and capture runs: zeros, no table row read, no wait
+    emb = patched_layers["float32"].ngram_embedding
+    before = counters(emb)
+    dummy_inputs = state.prepare_dummy_inputs(4, 64)
+    zeros = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    dummy_out = [
+        forward(
+            patched_layers["float32"],
+            zeros,
+            dummy_inputs["query_start_loc"],
+            dummy_inputs["ngram_context"],
+        )
+    ]
+    input_ids, qsl, ctx, _ = runner.step([("r0", 0, 16), ("r1", 0, 16)], dummy=True)
+    dummy_out.append(forward(patched_layers["float32"], input_ids, qsl, ctx))
+    result["dummy_outputs_zero"] = [bool((out == 0).all()) for out in dummy_out]
+    result["dummy_counters_before_after"] = [before, counters(emb)]
+
+    for layer in patched_layers.values():
         layer.ngram_embedding.close()
 
     # the patched files without the env var: vLLM's own backend, as before
     os.environ.pop("VLLM_PLE_PACKED_TABLE_DIR")
     unset, _ = build(patched, config, snapshot, prefix, torch.float32)
     result["patched_unset_backend"] = type(unset.ngram_embedding).__name__
+    result["patched_unset_shard_tensors_read"] = shard_reads(unset)
     # a directory that holds no table: a clear error, no silent fallback
-    os.environ["VLLM_PLE_PACKED_TABLE_DIR"] = str(work / "no-table-here")
+    os.environ["VLLM_PLE_PACKED_TABLE_DIR"] = str(snapshot.parent / "no-table-here")
     try:
         build(patched, config, snapshot, prefix, torch.float32)
         result["missing_table_error"] = None
@@ -290,16 +503,73 @@ def compare(stock_module, patched, snapshot: Path, table_dir: Path, work: Path) 
     return result
 
 
+def refusals(patched, snapshot: Path, table_dir: Path) -> dict:
+    """Settings the packed table cannot serve are refused at construction, by name."""
+    from transformers import Qwen4ExpTextConfig
+
+    from vllm.config import get_current_vllm_config
+
+    raw = json.loads((snapshot / "config.json").read_text())
+    config = Qwen4ExpTextConfig(**raw["text_config"])
+    current = get_current_vllm_config()
+    cases = {
+        "pipeline": ("parallel_config", "pipeline_parallel_size", 2),
+        "prefill_context_parallel": ("parallel_config", "prefill_context_parallel_size", 2),
+    }
+    messages = {}
+    os.environ["VLLM_PLE_PACKED_TABLE_DIR"] = str(table_dir)
+    try:
+        for case, (section, field, value) in cases.items():
+            target = getattr(current, section)
+            saved = getattr(target, field)
+            object.__setattr__(target, field, value)
+            try:
+                patched.Qwen4ExpNGramEmbedding(
+                    config,
+                    int(config.ple_embed_dim),
+                    0,
+                    MAX_TOKENS,
+                    data_parallel_rank=0,
+                    prefix="ple",
+                    params_dtype=torch.float32,
+                )
+                messages[case] = None
+            except ValueError as exc:
+                messages[case] = str(exc)
+            finally:
+                object.__setattr__(target, field, saved)
+        with mock.patch.dict(os.environ, {"VLLM_USE_V2_MODEL_RUNNER": "0"}):
+            try:
+                patched.Qwen4ExpNGramEmbedding(
+                    config,
+                    int(config.ple_embed_dim),
+                    0,
+                    MAX_TOKENS,
+                    data_parallel_rank=0,
+                    prefix="ple",
+                    params_dtype=torch.float32,
+                )
+                messages["v1_runner"] = None
+            except ValueError as exc:
+                messages["v1_runner"] = str(exc)
+    finally:
+        os.environ.pop("VLLM_PLE_PACKED_TABLE_DIR")
+    return messages
+
+
 def main() -> None:
     rendered, result_path = Path(sys.argv[2]), Path(sys.argv[3])
     cases = [tuple(map(Path, arg.split("=", 1))) for arg in sys.argv[4:]]
+    seed_loader_filter(rendered)
     results = {}
     with tempfile.TemporaryDirectory() as work, vllm_context(Path(work)):
         stock_module = importlib.import_module(NGRAM_MODULE)
-        patched = patched_module(rendered)
+        patched, state_module = patched_modules(rendered)
         for snapshot, table_dir in cases:
-            result = compare(stock_module, patched, snapshot, table_dir, Path(work))
+            result = compare(stock_module, patched, state_module, snapshot, table_dir)
             results[result["quant"]] = result
+        snapshot, table_dir = cases[0]
+        results["refusals"] = refusals(patched, snapshot, table_dir)
     result_path.write_text(json.dumps(results, indent=2))
 
 

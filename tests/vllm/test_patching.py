@@ -21,6 +21,9 @@ PROFILE = "vllm-0.33"
 PROFILE_DIR = REPO / "templates" / "vllm" / PROFILE
 TARGET = "models/qwen4_exp/nvidia/ngram_embedding.py"
 ADDED = "models/qwen4_exp/common/ple_mmap_embedding.py"
+STATE = "models/qwen4_exp/nvidia/model_state.py"
+LOADER_FILTER = "model_executor/model_loader/ep_weight_filter.py"
+EDITED = (TARGET, STATE, LOADER_FILTER)
 
 
 @pytest.fixture
@@ -55,20 +58,27 @@ def test_pins_equal_the_wheel_files(vllm_originals: Path) -> None:
 def test_render_applies_every_edit_and_check_passes(originals: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     manifest = patching.render(PROFILE, originals, out)
-    patched = (out / TARGET).read_text()
-    original = (originals / TARGET).read_text()
-    for edit in patching.load_profile(PROFILE).edits[TARGET]:
-        assert patched.count(edit.anchor) == 1  # the anchor itself is kept
-    assert "Qwen4ExpPLEPackedTableEmbedding" in patched
-    assert patched.count(patching.PATCH_MARKER) == 3
-    # the edits only add lines
-    matcher = difflib.SequenceMatcher(a=original.splitlines(), b=patched.splitlines())
-    assert {op for op, *_ in matcher.get_opcodes()} == {"equal", "insert"}
+    profile = patching.load_profile(PROFILE)
+    assert set(profile.edits) == set(EDITED)
+    for rel, edits in profile.edits.items():
+        patched = (out / rel).read_text()
+        original = (originals / rel).read_text()
+        for edit in edits:
+            assert patched.count(edit.anchor) == 1  # the anchor itself is kept
+        assert patched.count(patching.PATCH_MARKER) == len(edits), rel
+        # the edits only add lines
+        matcher = difflib.SequenceMatcher(a=original.splitlines(), b=patched.splitlines())
+        assert {op for op, *_ in matcher.get_opcodes()} == {"equal", "insert"}, rel
+    assert "Qwen4ExpPLEPackedTableEmbedding" in (out / TARGET).read_text()
+    assert "host_step(" in (out / STATE).read_text()
+    assert "dummy_step(" in (out / STATE).read_text()
+    assert "is_packed_ple_row_shard(weight_name)" in (out / LOADER_FILTER).read_text()
     on_disk = json.loads((out / patching.MANIFEST_NAME).read_text())
     assert on_disk == json.loads(json.dumps(manifest))
     entries = {entry["path"]: entry for entry in on_disk["files"]}
-    assert set(entries) == {TARGET, ADDED}
-    assert entries[TARGET]["original_sha256"] == patching.sha256_file(originals / TARGET)
+    assert set(entries) == {*EDITED, ADDED}
+    for rel in EDITED:
+        assert entries[rel]["original_sha256"] == patching.sha256_file(originals / rel)
     assert entries[ADDED]["original_sha256"] is None
     for rel, entry in entries.items():
         assert entry["patched_sha256"] == patching.sha256_file(out / rel)
@@ -76,7 +86,7 @@ def test_render_applies_every_edit_and_check_passes(originals: Path, tmp_path: P
     assert on_disk["profile"] == PROFILE and on_disk["vllm_version"] == "0.33.0"
     assert on_disk["variables"]["step_timeout_s"] == 300.0
     assert set(on_disk["env"]) == {"VLLM_PLE_PACKED_TABLE_DIR", "VLLM_PLE_OFFLOAD_STEP_TIMEOUT"}
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "models"]
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "model_executor", "models"]
     assert patching.check(out) == []
     # no temporary directories left beside OUT
     assert sorted(p.name for p in tmp_path.iterdir()) == ["originals", "out"]
@@ -126,7 +136,8 @@ def test_rendered_python_passes_ruff(originals: Path, tmp_path: Path) -> None:
         )
         return sorted(item["code"] for item in json.loads(result.stdout))
 
-    assert findings(out / TARGET) == findings(originals / TARGET)
+    for rel in EDITED:
+        assert findings(out / rel) == findings(originals / rel), rel
 
 
 def test_mutated_original_is_refused(originals: Path, tmp_path: Path) -> None:
