@@ -41,19 +41,32 @@ MAX_MODEL_LEN = 1024
 
 
 @contextmanager
-def vllm_context(workdir: Path) -> Iterator[None]:
+def vllm_context(
+    workdir: Path,
+    max_tokens: int = MAX_TOKENS,
+    max_model_len: int = MAX_MODEL_LEN,
+    cpu_offload: bool | None = None,
+) -> Iterator[None]:
     """The least of vLLM's setup these modules need: a config and world-size-1 groups (gloo)."""
-    from vllm.config import DeviceConfig, SchedulerConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import (
+        DeviceConfig,
+        EngramConfig,
+        SchedulerConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
     config = VllmConfig(
         device_config=DeviceConfig(device=DEVICE.type),
         scheduler_config=SchedulerConfig(
             max_num_seqs=MAX_REQS,
-            max_num_batched_tokens=MAX_TOKENS,
-            max_model_len=MAX_MODEL_LEN,
+            max_num_batched_tokens=max_tokens,
+            max_model_len=max_model_len,
             is_encoder_decoder=False,
         ),
+        # None: vLLM's device backend; True: its pinned-host backend (needs CUDA and UVA)
+        engram_config=None if cpu_offload is None else EngramConfig(cpu_offload=cpu_offload),
     )
     with set_current_vllm_config(config):
         init_distributed_environment(
@@ -94,13 +107,13 @@ def checkpoint_weights(snapshot: Path, prefix: str, peak: dict):
             peak["rss"] = max(peak["rss"], rss_bytes() - base)
 
 
-def build(module, config, snapshot: Path, prefix: str, dtype: torch.dtype):
+def build(module, config, snapshot: Path, prefix: str, dtype: torch.dtype, max_tokens=MAX_TOKENS):
     with DEVICE:
         layer = module.Qwen4ExpNGramEmbedding(
             config,
             int(config.ple_embed_dim),
             0,  # ple_dense_layer_id: the model's first (and only) PLE layer
-            MAX_TOKENS,
+            max_tokens,
             data_parallel_rank=0,
             prefix=prefix.rstrip("."),
             params_dtype=dtype,
@@ -161,9 +174,9 @@ class Runner:
     """The V2 runner's side of a step, reduced to what the PLE inputs are built from: the
     request state (each request's tokens and how many are computed) and the input batch."""
 
-    def __init__(self, state) -> None:
+    def __init__(self, state, max_model_len: int = MAX_MODEL_LEN) -> None:
         self.state = state
-        self.all_token_ids = torch.zeros(MAX_REQS, MAX_MODEL_LEN, dtype=torch.int32, device=DEVICE)
+        self.all_token_ids = torch.zeros(MAX_REQS, max_model_len, dtype=torch.int32, device=DEVICE)
         self.num_computed = torch.zeros(MAX_REQS, dtype=torch.int32, device=DEVICE)
         self.req_id_to_index: dict[str, int] = {}
         self.rng = np.random.default_rng(11)
