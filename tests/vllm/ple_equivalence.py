@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -516,6 +517,59 @@ def compare(stock_module, patched, state_module, snapshot: Path, table_dir: Path
     return result
 
 
+class _FailingPrefetch:
+    """Stands in for the page prefetch in the gather thread, to make a step fail."""
+
+    def __init__(self, error: BaseException, delay_s: float = 0.0) -> None:
+        self.error, self.delay_s = error, delay_s
+
+    def prefetch(self, row_ids):
+        time.sleep(self.delay_s)
+        raise self.error
+
+
+def failures(patched, state_module, snapshot: Path, table_dir: Path) -> dict:
+    """A table I/O error, a step timeout and a dead gather thread end prepare_inputs with an
+    exception (vLLM's engine then dies and is relaunched), each within its bound."""
+    from transformers import Qwen4ExpTextConfig
+
+    raw = json.loads((snapshot / "config.json").read_text())
+    config = Qwen4ExpTextConfig(**raw["text_config"])
+    prefix = f"model.language_model.layers.{PLE_DECODER_LAYER}.ple.ple_embedding."
+    cases = {
+        "io_error": (_FailingPrefetch(OSError(5, "Input/output error")), 60.0),
+        "timeout": (_FailingPrefetch(OSError(5, "late"), delay_s=2.0), 0.2),
+        "dead_thread": (_FailingPrefetch(SystemExit()), 60.0),
+    }
+    seen = {}
+    os.environ["VLLM_PLE_PACKED_TABLE_DIR"] = str(table_dir)
+    # these layers' counters stay out of the stats file the real steps' layer wrote
+    stats_dir = os.environ.pop("SPARKPLE_STATS_DIR", None)
+    try:
+        for case, (prefetch, timeout_s) in cases.items():
+            layer, _ = build(patched, config, snapshot, prefix, torch.float32)
+            embedding = layer.ngram_embedding
+            embedding._worker.prefetcher = prefetch
+            embedding._timeout_s = timeout_s
+            runner = Runner(model_state(state_module, torch.nn.ModuleList([layer]), config))
+            runner.add("r0", request_tokens(int(config.vocab_size), int(config.eos_token_id), 1))
+            started = time.monotonic()
+            try:
+                runner.step([("r0", 0, 16)])
+                seen[case] = None
+            except BaseException as exc:  # what vLLM's execute_model would see
+                seen[case] = {
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "seconds": round(time.monotonic() - started, 3),
+                }
+            embedding.close()
+    finally:
+        os.environ.pop("VLLM_PLE_PACKED_TABLE_DIR")
+        if stats_dir is not None:
+            os.environ["SPARKPLE_STATS_DIR"] = stats_dir
+    return seen
+
+
 def refusals(patched, snapshot: Path, table_dir: Path) -> dict:
     """Settings the packed table cannot serve are refused at construction, by name."""
     from transformers import Qwen4ExpTextConfig
@@ -583,6 +637,7 @@ def main() -> None:
             results[result["quant"]] = result
         snapshot, table_dir = cases[0]
         results["refusals"] = refusals(patched, snapshot, table_dir)
+        results["failures"] = failures(patched, state_module, snapshot, table_dir)
     result_path.write_text(json.dumps(results, indent=2))
 
 

@@ -194,6 +194,16 @@ def test_unservable_settings_are_refused_by_name(results: dict) -> None:
         assert "unset VLLM_PLE_PACKED_TABLE_DIR" in message
 
 
+def test_gather_failures_end_the_step_with_an_exception(results: dict) -> None:
+    failures = results["failures"]
+    assert failures["io_error"]["error"] == "OSError: [Errno 5] Input/output error"
+    assert failures["io_error"]["seconds"] < 5
+    assert failures["timeout"]["error"].startswith("HandshakeTimeout")
+    assert 0.2 <= failures["timeout"]["seconds"] < 1.5
+    assert failures["dead_thread"]["error"].startswith("ProducerDied")
+    assert failures["dead_thread"]["seconds"] < 1.0
+
+
 def test_patched_backend_exports_its_ple_counters(equivalence: dict) -> None:
     written = sorted(Path(equivalence["stats_dir"]).glob("ple-stats-*.json"))
     assert len(written) == 1, written  # one serving process, one file
