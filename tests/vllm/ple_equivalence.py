@@ -579,46 +579,40 @@ def refusals(patched, snapshot: Path, table_dir: Path) -> dict:
     raw = json.loads((snapshot / "config.json").read_text())
     config = Qwen4ExpTextConfig(**raw["text_config"])
     current = get_current_vllm_config()
+    parallel = current.parallel_config
+
+    @contextmanager
+    def setting(field: str, value):
+        saved = getattr(parallel, field)
+        object.__setattr__(parallel, field, value)
+        try:
+            yield
+        finally:
+            object.__setattr__(parallel, field, saved)
+
     cases = {
-        "pipeline": ("parallel_config", "pipeline_parallel_size", 2),
-        "prefill_context_parallel": ("parallel_config", "prefill_context_parallel_size", 2),
+        "pipeline": setting("pipeline_parallel_size", 2),
+        "prefill_context_parallel": setting("prefill_context_parallel_size", 2),
+        "v1_runner": mock.patch.dict(os.environ, {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
     }
     messages = {}
     os.environ["VLLM_PLE_PACKED_TABLE_DIR"] = str(table_dir)
     try:
-        for case, (section, field, value) in cases.items():
-            target = getattr(current, section)
-            saved = getattr(target, field)
-            object.__setattr__(target, field, value)
-            try:
-                patched.Qwen4ExpNGramEmbedding(
-                    config,
-                    int(config.ple_embed_dim),
-                    0,
-                    MAX_TOKENS,
-                    data_parallel_rank=0,
-                    prefix="ple",
-                    params_dtype=torch.float32,
-                )
-                messages[case] = None
-            except ValueError as exc:
-                messages[case] = str(exc)
-            finally:
-                object.__setattr__(target, field, saved)
-        with mock.patch.dict(os.environ, {"VLLM_USE_V2_MODEL_RUNNER": "0"}):
-            try:
-                patched.Qwen4ExpNGramEmbedding(
-                    config,
-                    int(config.ple_embed_dim),
-                    0,
-                    MAX_TOKENS,
-                    data_parallel_rank=0,
-                    prefix="ple",
-                    params_dtype=torch.float32,
-                )
-                messages["v1_runner"] = None
-            except ValueError as exc:
-                messages["v1_runner"] = str(exc)
+        for case, context in cases.items():
+            with context:
+                try:
+                    patched.Qwen4ExpNGramEmbedding(
+                        config,
+                        int(config.ple_embed_dim),
+                        0,
+                        MAX_TOKENS,
+                        data_parallel_rank=0,
+                        prefix="ple",
+                        params_dtype=torch.float32,
+                    )
+                    messages[case] = None
+                except ValueError as exc:
+                    messages[case] = str(exc)
     finally:
         os.environ.pop("VLLM_PLE_PACKED_TABLE_DIR")
     return messages
