@@ -31,8 +31,8 @@ import numpy as np
 
 from .errors import TableError
 from .gather import check_row_range
+from .pagecache import PAGE_SIZE, underlying_mmap
 
-PAGE_SIZE = mmap.PAGESIZE
 MECHANISMS = ("process_madvise", "fadvise", "madvise")
 _IOV_MAX = 1024  # UIO_MAXIOV: the most ranges one process_madvise call accepts
 _POOL_MIN_PAGES = 4096  # below this, one thread issues faster than it hands out work
@@ -181,7 +181,7 @@ class Prefetcher:
         self.fd = table.fd
         self.total_rows, self.row_width = self.rows.shape
         self._base = self.rows.ctypes.data
-        self._mmap = _underlying_mmap(self.rows)
+        self._mmap = underlying_mmap(self.rows)
         self.min_rows = min_rows
         self.recent_s = recent_s
         self.threads = max(1, threads)
@@ -284,62 +284,21 @@ class Prefetcher:
             self._pm.close()
 
 
-# --- page-cache residency and eviction ---------------------------------------------------
+POLICIES = ("always", "prefill", "never")
 
 
-def _underlying_mmap(rows: np.ndarray) -> mmap.mmap | None:
-    """The mmap object behind a numpy.memmap (numpy keeps it as `_mmap`), if any."""
-    base: object = rows
-    while base is not None:
-        mm = getattr(base, "_mmap", None)
-        if isinstance(mm, mmap.mmap):
-            return mm
-        if isinstance(base, mmap.mmap):
-            return base
-        base = getattr(base, "base", None)
-    return None
+def prefetcher_for(
+    table: MappedTable, policy: str, *, prefill_min_tokens: int, rows_per_token: int
+) -> Prefetcher | None:
+    """The prefetcher a prefetch policy asks for (the vLLM patch's `prefetch_policy`).
 
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_libc.mincore.restype = ctypes.c_int
-
-
-def resident_pages(address: int, length: int) -> np.ndarray:
-    """mincore(2) over [address, address + length): one bool per page, True when resident."""
-    start = address - address % PAGE_SIZE
-    npages = -(-(address + length - start) // PAGE_SIZE)
-    vec = np.zeros(npages, dtype=np.uint8)
-    if npages and _libc.mincore(start, npages * PAGE_SIZE, vec.ctypes.data) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mincore: {os.strerror(err)}")
-    return (vec & 1).astype(bool)
-
-
-def resident_fraction(rows: np.ndarray) -> float:
-    """The fraction of a mapped table's pages that are in the page cache."""
-    pages = resident_pages(rows.ctypes.data, rows.nbytes)
-    return float(pages.mean()) if pages.size else 1.0
-
-
-def evict(rows: np.ndarray, fd: int, settle_s: float = 2.0) -> float:
-    """Drop a table's pages from the page cache (for cold measurements); returns the fraction
-    still resident (0.0 when the table is cold).
-
-    Pages mapped into a process are not dropped by fadvise, so this process's own mapping
-    is zapped first (MADV_DONTNEED on a read-only file mapping only unmaps), and dirty pages
-    of a freshly written file are flushed, as fadvise skips them. Pages still under read I/O
-    (readahead an earlier pass started) cannot be dropped until it completes, so eviction is
-    repeated for up to `settle_s`. Other processes that map the file keep their pages.
+    always: every gather (decode steps gain too); prefill: only steps of at least
+    `prefill_min_tokens` tokens; never: none (plain page faults).
     """
-    mm = _underlying_mmap(rows)
-    os.fsync(fd)
-    deadline = time.monotonic() + settle_s
-    while True:
-        if mm is not None:
-            mm.madvise(mmap.MADV_DONTNEED)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        resident = resident_pages(rows.ctypes.data, rows.nbytes)
-        if not resident.any() or time.monotonic() >= deadline:
-            return float(resident.mean()) if resident.size else 0.0
-        time.sleep(0.1)
+    if policy not in POLICIES:
+        raise ValueError(f"prefetch policy must be one of {POLICIES}, got {policy!r}")
+    if policy == "never":
+        return None
+    if policy == "prefill":
+        return Prefetcher(table, min_rows=prefill_min_tokens * rows_per_token)
+    return Prefetcher(table)

@@ -21,7 +21,7 @@ import numpy as np
 
 from .errors import TableError
 from .geometry import PLEGeometry
-from .prefetch import _underlying_mmap, evict, resident_fraction
+from .pagecache import evict, resident_fraction, underlying_mmap
 from .tablemeta import TableMeta, read_meta
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ class PackedTable:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        mm = _underlying_mmap(self.rows)
+        mm = underlying_mmap(self.rows)
         if mm is not None:
             # While views of the rows are alive the mapping stays; it goes with the last one.
             with contextlib.suppress(BufferError):
@@ -174,7 +174,7 @@ def open_table(
             )
         rows = np.memmap(path, dtype=np.uint8, mode="r", shape=(meta.total_rows, meta.row_width))
         madv, fadv = ADVICE[advice]
-        mm = _underlying_mmap(rows)
+        mm = underlying_mmap(rows)
         applied = "normal"
         if mm is not None:
             try:

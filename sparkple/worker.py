@@ -77,7 +77,7 @@ def check_geometry(table: PackedTable, geometry: PLEGeometry) -> None:
 class GatherWorker:
     """A gather thread with `slots` staging buffers of max_tokens x heads x row_width bytes.
 
-    prefetch: True (a Prefetcher with defaults), False, or a Prefetcher to use.
+    prefetch: True (a Prefetcher with defaults), False or None (none), or a Prefetcher to use.
     pin_memory: allocate staging as pinned host memory when torch has CUDA, so the GPU copy
       can be asynchronous (plain host memory without CUDA). Always on the CPU, whatever
       device context the caller constructs the worker in.
@@ -92,7 +92,7 @@ class GatherWorker:
         max_tokens: int,
         *,
         slots: int = 2,
-        prefetch: bool | Prefetcher = True,
+        prefetch: bool | Prefetcher | None = True,
         pin_memory: bool = False,
         spin_s: float | None = None,
         stats: PLEStats | None = None,
