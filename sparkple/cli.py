@@ -19,7 +19,7 @@ COMMANDS: dict[str, str] = {
     "build-table": "sparkple.build",
     "verify-table": "sparkple.build",
     "inspect-table": "sparkple.build",
-    "patch": "sparkple.patching",
+    "patch": "sparkple.patch.cli",
 }
 
 

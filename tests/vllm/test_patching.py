@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sparkple import patching
+from sparkple import patch
 from sparkple.cli import main
 from sparkple.errors import PatchError
 
@@ -30,7 +30,7 @@ EDITED = (TARGET, STATE, LOADER_FILTER)
 def originals(vllm_originals: Path, tmp_path: Path) -> Path:
     """A private, writable copy of the profile's originals."""
     root = tmp_path / "originals"
-    for rel in patching.load_profile(PROFILE).originals:
+    for rel in patch.load_profile(PROFILE).originals:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(vllm_originals / rel, root / rel)
     return root
@@ -42,30 +42,30 @@ def repinned_profile(tmp_path: Path, originals: Path) -> Path:
     shutil.copytree(PROFILE_DIR, copy)
     data = yaml.safe_load((copy / "profile.yml").read_text())
     for rel in data["originals"]:
-        data["originals"][rel] = patching.sha256_file(originals / rel)
+        data["originals"][rel] = patch.sha256_file(originals / rel)
     (copy / "profile.yml").write_text(yaml.safe_dump(data, sort_keys=False))
     return copy
 
 
 def test_pins_equal_the_wheel_files(vllm_originals: Path) -> None:
-    profile = patching.load_profile(PROFILE)
+    profile = patch.load_profile(PROFILE)
     assert profile.vllm_version == "0.33.0"
     assert set(profile.originals) >= {TARGET, "models/qwen4_exp/common/ngram_embedding.py"}
     for rel, pinned in profile.originals.items():
-        assert patching.sha256_file(vllm_originals / rel) == pinned, rel
+        assert patch.sha256_file(vllm_originals / rel) == pinned, rel
 
 
 def test_render_applies_every_edit_and_check_passes(originals: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    manifest = patching.render(PROFILE, originals, out)
-    profile = patching.load_profile(PROFILE)
+    manifest = patch.render(PROFILE, originals, out)
+    profile = patch.load_profile(PROFILE)
     assert set(profile.edits) == set(EDITED)
     for rel, edits in profile.edits.items():
         patched = (out / rel).read_text()
         original = (originals / rel).read_text()
         for edit in edits:
             assert patched.count(edit.anchor) == 1  # the anchor itself is kept
-        assert patched.count(patching.PATCH_MARKER) == len(edits), rel
+        assert patched.count(patch.PATCH_MARKER) == len(edits), rel
         # the edits only add lines
         matcher = difflib.SequenceMatcher(a=original.splitlines(), b=patched.splitlines())
         assert {op for op, *_ in matcher.get_opcodes()} == {"equal", "insert"}, rel
@@ -73,28 +73,28 @@ def test_render_applies_every_edit_and_check_passes(originals: Path, tmp_path: P
     assert "host_step(" in (out / STATE).read_text()
     assert "dummy_step(" in (out / STATE).read_text()
     assert "is_packed_ple_row_shard(weight_name)" in (out / LOADER_FILTER).read_text()
-    on_disk = json.loads((out / patching.MANIFEST_NAME).read_text())
+    on_disk = json.loads((out / patch.MANIFEST_NAME).read_text())
     assert on_disk == json.loads(json.dumps(manifest))
     entries = {entry["path"]: entry for entry in on_disk["files"]}
     assert set(entries) == {*EDITED, ADDED}
     for rel in EDITED:
-        assert entries[rel]["original_sha256"] == patching.sha256_file(originals / rel)
+        assert entries[rel]["original_sha256"] == patch.sha256_file(originals / rel)
     assert entries[ADDED]["original_sha256"] is None
     for rel, entry in entries.items():
-        assert entry["patched_sha256"] == patching.sha256_file(out / rel)
+        assert entry["patched_sha256"] == patch.sha256_file(out / rel)
         assert len(entry["template_sha256"]) == 64
     assert on_disk["profile"] == PROFILE and on_disk["vllm_version"] == "0.33.0"
     assert on_disk["variables"]["step_timeout_s"] == 300.0
     assert set(on_disk["env"]) == {"VLLM_PLE_PACKED_TABLE_DIR", "VLLM_PLE_OFFLOAD_STEP_TIMEOUT"}
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "model_executor", "models"]
-    assert patching.check(out) == []
+    assert patch.check(out) == []
     # no temporary directories left beside OUT
     assert sorted(p.name for p in tmp_path.iterdir()) == ["originals", "out"]
 
 
 def test_variables_are_rendered_and_validated(originals: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    patching.render(
+    patch.render(
         PROFILE,
         originals,
         out,
@@ -113,13 +113,13 @@ def test_variables_are_rendered_and_validated(originals: Path, tmp_path: Path) -
     }
     for name, value in bad.items():
         with pytest.raises(PatchError, match=name):
-            patching.render(PROFILE, originals, tmp_path / "never", {name: value})
+            patch.render(PROFILE, originals, tmp_path / "never", {name: value})
     assert not (tmp_path / "never").exists()
 
 
 def test_rendered_python_passes_ruff(originals: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    patching.render(PROFILE, originals, out)
+    patch.render(PROFILE, originals, out)
     ruff = [sys.executable, "-m", "ruff"]
     config = ["--config", str(REPO / "pyproject.toml")]
     added = str(out / ADDED)
@@ -142,12 +142,12 @@ def test_rendered_python_passes_ruff(originals: Path, tmp_path: Path) -> None:
 
 def test_mutated_original_is_refused(originals: Path, tmp_path: Path) -> None:
     target = originals / TARGET
-    pinned = patching.load_profile(PROFILE).originals[TARGET]
+    pinned = patch.load_profile(PROFILE).originals[TARGET]
     target.write_text(target.read_text().replace("Qwen4Exp", "Qwen4Exq", 1))
-    actual = patching.sha256_file(target)
+    actual = patch.sha256_file(target)
     out = tmp_path / "out"
     with pytest.raises(PatchError) as info:
-        patching.render(PROFILE, originals, out)
+        patch.render(PROFILE, originals, out)
     message = str(info.value)
     assert TARGET in message and pinned in message and actual in message
     assert not out.exists()
@@ -155,12 +155,12 @@ def test_mutated_original_is_refused(originals: Path, tmp_path: Path) -> None:
 
 def test_duplicated_anchor_is_refused(originals: Path, tmp_path: Path) -> None:
     target = originals / TARGET
-    anchor = patching.load_profile(PROFILE).edits[TARGET][1].anchor
+    anchor = patch.load_profile(PROFILE).edits[TARGET][1].anchor
     target.write_text(target.read_text() + "\n\ndef twice(self):\n" + anchor)
     profile = repinned_profile(tmp_path, originals)  # the pins pass; the anchor check must not
     out = tmp_path / "out"
     with pytest.raises(PatchError, match="occurs 2 times"):
-        patching.render(profile, originals, out)
+        patch.render(profile, originals, out)
     assert not out.exists()
 
 
@@ -169,21 +169,21 @@ def test_missing_anchor_is_refused(originals: Path, tmp_path: Path) -> None:
     target.write_text(target.read_text().replace("from collections.abc import Iterable\n", ""))
     profile = repinned_profile(tmp_path, originals)
     with pytest.raises(PatchError, match="occurs 0 times"):
-        patching.render(profile, originals, tmp_path / "out")
+        patch.render(profile, originals, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
 def test_already_patched_file_is_refused(originals: Path, tmp_path: Path) -> None:
     first = tmp_path / "first"
-    patching.render(PROFILE, originals, first)
+    patch.render(PROFILE, originals, first)
     shutil.copyfile(first / TARGET, originals / TARGET)
     out = tmp_path / "out"
     with pytest.raises(PatchError, match="already carries the sparkple patch"):
-        patching.render(PROFILE, originals, out)
+        patch.render(PROFILE, originals, out)
     # even with pins that match the patched file, the marker refuses it
     profile = repinned_profile(tmp_path, originals)
     with pytest.raises(PatchError, match="already patched"):
-        patching.render(profile, originals, out)
+        patch.render(profile, originals, out)
     assert not out.exists()
 
 
@@ -191,7 +191,7 @@ def test_unparsable_result_is_refused(originals: Path, tmp_path: Path) -> None:
     profile = repinned_profile(tmp_path, originals)
     (profile / "edits" / "select_backend.py.j2").write_text("        # {{ marker }}\n    oops(\n")
     with pytest.raises(PatchError, match="not valid Python"):
-        patching.render(profile, originals, tmp_path / "out")
+        patch.render(profile, originals, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -199,35 +199,35 @@ def test_refusal_keeps_an_earlier_render(
     originals: Path, vllm_originals: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "out"
-    patching.render(PROFILE, originals, out)
+    patch.render(PROFILE, originals, out)
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     (originals / TARGET).write_text("# not vllm\n")
     with pytest.raises(PatchError):
-        patching.render(PROFILE, originals, out)
+        patch.render(PROFILE, originals, out)
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     # a foreign, non-empty directory is never replaced
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "keep.txt").write_text("mine")
     with pytest.raises(PatchError, match="not empty"):
-        patching.render(PROFILE, vllm_originals, foreign)
+        patch.render(PROFILE, vllm_originals, foreign)
     assert [p.name for p in foreign.iterdir()] == ["keep.txt"]
 
 
 def test_check_catches_modified_missing_and_extra_files(originals: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    patching.render(PROFILE, originals, out)
+    patch.render(PROFILE, originals, out)
     with (out / ADDED).open("a") as handle:
         handle.write("# local change\n")
-    problems = patching.check(out)
+    problems = patch.check(out)
     assert len(problems) == 1 and ADDED in problems[0]
     (out / TARGET).unlink()
     (out / "stray.py").write_text("")
-    problems = patching.check(out)
+    problems = patch.check(out)
     assert any(TARGET in p and "missing" in p for p in problems)
     assert any("stray.py" in p for p in problems)
-    (out / patching.MANIFEST_NAME).unlink()
-    assert patching.check(out)
+    (out / patch.MANIFEST_NAME).unlink()
+    assert patch.check(out)
 
 
 def test_cli_exit_codes(originals: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -248,3 +248,22 @@ def test_cli_exit_codes(originals: Path, tmp_path: Path, capsys: pytest.CaptureF
     with pytest.raises(SystemExit) as usage:
         main(["patch", "render", "--profile", PROFILE])
     assert usage.value.code == 2
+
+
+def test_check_compile_compiles_every_file(
+    originals: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "out"
+    patch.render(PROFILE, originals, out)
+    assert main(["patch", "check", "--compile", str(out)]) == 0
+    assert "every file matches manifest.json and compiles" in capsys.readouterr().out
+    # a file that matches its manifest but does not compile (as if rendered for another Python)
+    (out / ADDED).write_text((out / ADDED).read_text() + "\ndef broken(:\n")
+    manifest = json.loads((out / patch.MANIFEST_NAME).read_text())
+    for entry in manifest["files"]:
+        if entry["path"] == ADDED:
+            entry["patched_sha256"] = patch.sha256_file(out / ADDED)
+    (out / patch.MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert main(["patch", "check", str(out)]) == 0
+    assert main(["patch", "check", "--compile", str(out)]) == 1
+    assert f"{ADDED}: does not compile with Python" in capsys.readouterr().out

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkple import patching
+from sparkple import patch
 from sparkple.build import build_table
 from sparkple.stats import parse
 from sparkple.synth import synth_checkpoint
@@ -30,7 +30,7 @@ def run_equivalence(vllm_venv: Path, vllm_originals: Path, work: Path, device: s
         build_table(snapshot, table, quiet=True)
         cases.append(f"{snapshot}={table}")
     rendered = work / "rendered"
-    patching.render("vllm-0.33", vllm_originals, rendered)
+    patch.render("vllm-0.33", vllm_originals, rendered)
     result_path = work / "result.json"
     # sparkple comes from this checkout, as the serving container's PYTHONPATH mount provides it
     # and the PLE counters go where the service mounts its stats directory
@@ -260,7 +260,7 @@ def test_full_cuda_graph_replays_equal_pinned_host_lookup(
     table = tmp_path / "table"
     build_table(snapshot, table, quiet=True)
     rendered = tmp_path / "rendered"
-    patching.render("vllm-0.33", vllm_originals, rendered)
+    patch.render("vllm-0.33", vllm_originals, rendered)
     out = tmp_path / "graph.json"
     script = SCRIPT.with_name("gpu_graph_check.py")
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{SCRIPT.parent}"}
