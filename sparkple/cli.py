@@ -20,6 +20,9 @@ COMMANDS: dict[str, str] = {
     "verify-table": "sparkple.build",
     "inspect-table": "sparkple.build",
     "patch": "sparkple.patching",
+    "serving-plan": "sparkple.serving",
+    "launch-gate": "sparkple.serving",
+    "snapshot-manifest": "sparkple.manifest",
 }
 
 
