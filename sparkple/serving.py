@@ -67,7 +67,7 @@ OWNED_FLAGS: dict[str, str] = {
     "--tool-call-parser": "vllm_service_tool_call_parser",
     "--enable-auto-tool-choice": "vllm_service_tool_call_parser",
     "--enable-chunked-prefill": "vllm_service_chunked_prefill",
-    "--no-enable-chunked-prefill": "vllm_service_chunked_prefill",
+    "--disable-chunked-prefill": "vllm_service_chunked_prefill",
     "--load-format": "vllm_service_safetensors_load_strategy",
     "--safetensors-load-strategy": "vllm_service_safetensors_load_strategy",
     "--compilation-config": "vllm_service_cudagraph_mode",
@@ -311,7 +311,7 @@ class Recipe:
         if self.tool_call_parser:
             args += ["--enable-auto-tool-choice", f"--tool-call-parser={self.tool_call_parser}"]
         args.append(
-            "--enable-chunked-prefill" if self.chunked_prefill else "--no-enable-chunked-prefill"
+            "--enable-chunked-prefill" if self.chunked_prefill else "--disable-chunked-prefill"
         )
         args += [
             "--load-format=safetensors",
