@@ -232,3 +232,28 @@ def test_launch_gate_reads_memavailable(tmp_path: Path) -> None:
            "--meminfo", str(info)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 1 and "not starting vLLM" in proc.stderr
+
+
+def test_readme_worked_example() -> None:
+    """The README's table (MemTotal 119.7 GiB): utilization, KV left and container per row."""
+    rows = [
+        (NVFP4, 4, 26, 0.782, 14.77, 101.61),
+        (NVFP4, 8, 28, 0.766, 12.85, 99.69),
+        (FP8, 4, 30, 0.749, 10.81, 97.66),
+        (FP8, 8, 30, 0.749, 10.81, 97.66),
+    ]
+    for snap, seqs, reserve, util, kv_left, container in rows:
+        b = compute_budget(
+            snap, recipe(max_num_seqs=seqs), MEMTOTAL, BudgetKnobs(reserve_gib=reserve)
+        )
+        assert (b.gpu_memory_utilization, round(b.kv_left_gib, 2)) == (util, kv_left)
+        assert b.container_memory_mib / 1024 == pytest.approx(container, abs=0.01)
+    yarn = recipe(max_model_len=524_288)
+    assert compute_budget(NVFP4, yarn, MEMTOTAL, BudgetKnobs()).kv_need_gib == pytest.approx(
+        14.40, abs=0.01
+    )  # noqa: E501
+    with pytest.raises(ServingError, match="cannot hold"):
+        compute_budget(NVFP4, yarn, MEMTOTAL, BudgetKnobs(reserve_gib=28))
+    fp8 = recipe(max_model_len=524_288, kv_cache_dtype="fp8")
+    b = compute_budget(FP8, fp8, MEMTOTAL, BudgetKnobs(reserve_gib=30))
+    assert b.kv_need_gib == pytest.approx(8.35, abs=0.01)
