@@ -16,6 +16,7 @@ stops is reported. `flags` maps every option string of the parser to whether it 
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import os
@@ -24,6 +25,8 @@ import traceback
 from pathlib import Path
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+# The module vLLM imports to inspect Qwen4ExpForConditionalGeneration.
+MODEL_MODULE = "vllm.models.qwen4_exp.nvidia.model"
 
 
 def check(parser, request: dict) -> dict:
@@ -95,8 +98,15 @@ def check(parser, request: dict) -> dict:
             engine["built"] = False
             frames = traceback.extract_tb(exc.__traceback__)
             engine["stopped_in"] = [f"{f.name} ({os.path.basename(f.filename)})" for f in frames]
-            engine["stopped_with"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            engine["stopped_with"] = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
             engine["model_config_reached"] = any(f.name == "create_model_config" for f in frames)
+            # ModelConfig inspects the architecture by importing the model's module: say why
+            # that import fails here (vLLM logs it, the exception does not carry it)
+            try:
+                importlib.import_module(MODEL_MODULE)
+                engine["model_module_import"] = "ok"
+            except Exception as err:  # noqa: BLE001
+                engine["model_module_import"] = f"{type(err).__name__}: {err}"
     result["engine"] = engine
     return result
 

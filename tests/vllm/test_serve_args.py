@@ -61,7 +61,8 @@ def run_check(vllm_venv: Path, cases: dict, work: Path) -> dict:
 
 def expected_values(recipe: dict, util: float) -> dict:
     """What vLLM's parsed args must hold for a recipe (as sparkple.serving.Recipe fields)."""
-    r = Recipe(**{**recipe, "extra_args": tuple(recipe.get("extra_args", ()))})
+    fields = {k: v for k, v in recipe.items() if k in Recipe.__dataclass_fields__}
+    r = Recipe(**{**fields, "extra_args": tuple(recipe.get("extra_args", ()))})
     return {
         "model": r.model,
         "served_model_name": [r.served_model_name],
