@@ -8,10 +8,11 @@ RESULT:  {"flags": {...}, "cases": {NAME: {"unknown": [...], "error": str|null, 
 `args` are what the entrypoint `vllm serve` receives after its own words. The parser is the one
 `vllm serve` builds (make_arg_parser on a FlexibleArgumentParser); unknown arguments are
 collected with parse_known_args first, then parse_args, validate_parsed_serve_args and
-EngineArgs.from_cli_args run as the server runs them. With `config_dir`, the model path is
-swapped for it and create_engine_config goes as far as vLLM gets on a CPU-only machine; where it
-stops is reported. `flags` maps every option string of the parser to whether it takes a value
-(for the lab server's accepted set).
+EngineArgs.from_cli_args run as the server runs them. With `config_dir` (a local copy of the
+snapshot's config.json and index), the parsed model path (the container's) is swapped for it
+before EngineArgs is built, and create_engine_config goes as far as vLLM gets on a CPU-only
+machine; where it stops is reported. `flags` maps every option string of the parser to
+whether it takes a value (for the lab server's accepted set).
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ def check(parser, request: dict) -> dict:
         if ns.model_tag is not None:  # as `vllm serve` does (entrypoints/cli/serve.py)
             ns.model = ns.model_tag
         validate_parsed_serve_args(ns)
+        parsed_model = ns.model
+        if request.get("config_dir"):
+            # the path is the container's: EngineArgs reads the model's config from a local copy
+            ns.model = request["config_dir"]
         engine_args = AsyncEngineArgs.from_cli_args(ns)
     except (SystemExit, Exception) as exc:  # noqa: BLE001 - reported, the test asserts
         result["error"] = f"{type(exc).__name__}: {exc} {stderr.getvalue()[-600:]}"
@@ -56,7 +61,7 @@ def check(parser, request: dict) -> dict:
     comp = engine_args.compilation_config
     mode = getattr(comp, "cudagraph_mode", None)
     result["values"] = {
-        "model": engine_args.model,
+        "model": parsed_model,
         "served_model_name": engine_args.served_model_name,
         "host": ns.host,
         "port": ns.port,
@@ -88,8 +93,6 @@ def check(parser, request: dict) -> dict:
     except Exception as exc:  # noqa: BLE001
         engine["load_config_error"] = f"{type(exc).__name__}: {exc}"
     if request.get("config_dir"):
-        engine_args.model = request["config_dir"]
-        engine_args.tokenizer = None
         try:
             config = engine_args.create_engine_config()
             engine["built"] = True
