@@ -20,8 +20,14 @@ the operations units are exercised for real. Like vLLM's OpenAI server it is two
 SIGTERM, to the front or to both processes, stops both cleanly (exit 0). An engine that dies
 otherwise after it was ready makes the front exit 1, so that the supervisor sees a dead server.
 
-It accepts vLLM's command line and uses --host, --port, --model and --served-model-name, plus
-its own --engine-timeout-s.
+It answers `/v1/models`, `/v1/completions` and `/v1/chat/completions` in the shape vLLM's
+OpenAI server answers them (a request for another model name is a 404, as in vLLM).
+
+Its command line is the subset of `vllm serve`'s that the service's unit passes (ACCEPTED_FLAGS;
+tests/vllm checks each flag against vLLM 0.33.0's own parser): anything else is refused like
+vLLM refuses an unknown argument (exit 2), and JSON-valued flags must be valid JSON, so a unit
+that mangles an argument fails in the lab too. The engine's reply bound is the lab's own knob,
+the env var SPARKPLE_LAB_ENGINE_TIMEOUT_S (seconds, default 30).
 """
 
 from __future__ import annotations
@@ -60,6 +66,31 @@ from sparkple.tablemeta import read_meta
 PATCH_DIR = Path(os.environ.get("SPARKPLE_PATCH_DIR", "/opt/sparkple/patches"))
 # Seconds a stopped engine gets to exit after SIGTERM before it is killed (docker's grace is 30).
 ENGINE_STOP_GRACE_S = 5.0
+# The `vllm serve` flags the lab accepts: flag -> how its value is read (None: a switch).
+# Each one is checked against vLLM 0.33.0's parser in tests/vllm/test_serve_args.py.
+ACCEPTED_FLAGS: dict[str, Any] = {
+    "--model": str,
+    "--served-model-name": str,
+    "--host": str,
+    "--port": int,
+    "--max-model-len": int,
+    "--max-num-seqs": int,
+    "--max-num-batched-tokens": int,
+    "--kv-cache-dtype": str,
+    "--mamba-ssm-cache-dtype": str,
+    "--speculative-config": "json",
+    "--reasoning-parser": str,
+    "--tool-call-parser": str,
+    "--enable-auto-tool-choice": None,
+    "--enable-chunked-prefill": None,
+    "--disable-chunked-prefill": None,
+    "--load-format": str,
+    "--safetensors-load-strategy": str,
+    "--compilation-config": "json",
+    "--distributed-executor-backend": str,
+    "--gpu-memory-utilization": float,
+    "--hf-overrides": "json",
+}
 
 
 def vllm_dir() -> Path:
@@ -227,6 +258,9 @@ class State:
     model: str = ""
     patches: str = ""
     socket_path: str = ""
+    model_root: str = ""
+    max_model_len: int = 0
+    started: int = int(time.time())
     engine_timeout_s: float = 30.0
     stopping: bool = False
     exit_code: int = 0
@@ -250,6 +284,27 @@ def ask_engine(state: State, prompt: str, max_tokens: int) -> tuple[int, dict[st
         conn.close()
 
 
+def openai_error(handler: BaseHTTPRequestHandler, code: int, message: str, kind: str) -> None:
+    """An error in the shape vLLM's OpenAI server sends."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    send_json(handler, code, body)
+
+
+def chat_prompt(messages: Any) -> str:
+    """The text of a chat's messages (a stand-in for the chat template)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    parts = []
+    for message in messages:
+        if not isinstance(message, dict) or "role" not in message:
+            raise ValueError("each message needs a role")
+        content = message.get("content") or ""
+        if isinstance(content, list):  # content parts: keep the text ones
+            content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        parts.append(f"{message['role']}: {content}")
+    return "\n".join(parts)
+
+
 def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, fmt: str, *args: Any) -> None:
@@ -258,7 +313,7 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
         def _authorized(self) -> bool:
             key = os.environ.get("VLLM_API_KEY", "")
             if key and self.headers.get("Authorization", "") != f"Bearer {key}":
-                send_json(self, 401, {"error": "missing or wrong API key"})
+                send_json(self, 401, {"error": "Unauthorized"})
                 return False
             return True
 
@@ -270,53 +325,85 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
                     send_json(self, 503, {"error": state.problem})
             elif self.path == "/v1/models":
                 if self._authorized():
-                    send_json(self, 200, {"object": "list", "data": [{"id": state.model}]})
+                    card = {
+                        "id": state.model,
+                        "object": "model",
+                        "created": state.started,
+                        "owned_by": "vllm",
+                        "root": state.model_root,
+                        "parent": None,
+                        "max_model_len": state.max_model_len or None,
+                    }
+                    send_json(self, 200, {"object": "list", "data": [card]})
             else:
                 send_json(self, 404, {"error": f"no route {self.path}"})
 
         def do_POST(self) -> None:  # noqa: N802
-            if self.path != "/v1/completions":
+            chat = self.path == "/v1/chat/completions"
+            if self.path not in ("/v1/completions", "/v1/chat/completions"):
                 send_json(self, 404, {"error": f"no route {self.path}"})
                 return
             if not self._authorized():
                 return
-            if not state.ready:
-                send_json(self, 503, {"error": state.problem})
-                return
             try:
                 req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
-                prompt = str(req.get("prompt", ""))
-                max_tokens = int(req.get("max_tokens", 16))
+                if not isinstance(req, dict):
+                    raise ValueError("the body must be a JSON object")
+                prompt = chat_prompt(req.get("messages")) if chat else str(req.get("prompt", ""))
+                limit = req.get("max_completion_tokens") if chat else None
+                max_tokens = int(limit if limit is not None else req.get("max_tokens", 16))
             except (ValueError, TypeError) as exc:
-                send_json(self, 400, {"error": f"bad request body: {exc}"})
+                openai_error(self, 400, f"bad request body: {exc}", "BadRequestError")
+                return
+            model = req.get("model")
+            if model is not None and model != state.model:
+                openai_error(self, 404, f"The model `{model}` does not exist.", "NotFoundError")
                 return
             if not 1 <= max_tokens <= 256:
-                send_json(self, 400, {"error": "max_tokens must be in 1..256"})
+                openai_error(self, 400, "max_tokens must be in 1..256", "BadRequestError")
+                return
+            if not state.ready:
+                send_json(self, 503, {"error": state.problem})
                 return
             code, done = ask_engine(state, prompt, max_tokens)
             if code != 200:
                 send_json(self, code, done)
                 return
             prompt_tokens = max(1, len(prompt.encode("utf-8")))
+            usage = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": done["tokens"],
+                "total_tokens": prompt_tokens + done["tokens"],
+            }
+            lab = {
+                "stand_in": "sparkple lab server, not vLLM",
+                "ple_rows_gathered": done["rows_gathered"],
+                "table": done["table"],
+            }
+            if chat:
+                message = {
+                    "role": "assistant",
+                    "content": done["text"],
+                    "reasoning_content": None,
+                    "tool_calls": [],
+                }
+                choice = {"index": 0, "message": message, "logprobs": None}
+                kind, prefix = "chat.completion", "chatcmpl"
+            else:
+                choice = {"index": 0, "text": done["text"], "logprobs": None}
+                kind, prefix = "text_completion", "cmpl"
+            choice["finish_reason"] = "length"
             send_json(
                 self,
                 200,
                 {
-                    "id": f"cmpl-lab-{time.time_ns()}",
-                    "object": "text_completion",
+                    "id": f"{prefix}-lab-{time.time_ns()}",
+                    "object": kind,
                     "created": int(time.time()),
                     "model": state.model,
-                    "choices": [{"index": 0, "text": done["text"], "finish_reason": "length"}],
-                    "usage": {
-                        "prompt_tokens": prompt_tokens,
-                        "completion_tokens": done["tokens"],
-                        "total_tokens": prompt_tokens + done["tokens"],
-                    },
-                    "sparkple_lab": {
-                        "stand_in": "sparkple lab server, not vLLM",
-                        "ple_rows_gathered": done["rows_gathered"],
-                        "table": done["table"],
-                    },
+                    "choices": [choice],
+                    "usage": usage,
+                    "sparkple_lab": lab,
                 },
             )
 
@@ -367,18 +454,48 @@ def stop_engine(state: State, engine: multiprocessing.process.BaseProcess) -> No
         engine.join()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument(
-        "--engine-timeout-s", type=float, default=30.0, help="504 when the engine takes longer"
+def json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return value
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """vLLM's flags the unit passes; exit 2 on anything else, as `vllm serve` does."""
+    parser = argparse.ArgumentParser(
+        prog="lab_server.py", description=__doc__.splitlines()[0], allow_abbrev=False
     )
-    args, ignored = parser.parse_known_args(argv)
+    parser.add_argument("model_tag", nargs="?", help="the model directory (as `vllm serve`)")
+    for flag, kind in ACCEPTED_FLAGS.items():
+        if kind is None:
+            parser.add_argument(flag, action="store_true")
+        else:
+            parser.add_argument(flag, type=json_object if kind == "json" else kind)
+    args = parser.parse_args(argv)
+    args.model = args.model_tag or args.model
+    if not args.model:
+        parser.error("no model: pass the model directory first (or --model)")
+    if args.host is None:
+        args.host = "127.0.0.1"
+    if args.port is None:
+        args.port = 8000
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice requires --tool-call-parser (as vLLM)")
+    try:
+        args.engine_timeout_s = float(os.environ.get("SPARKPLE_LAB_ENGINE_TIMEOUT_S", "30"))
+    except ValueError:
+        parser.error("SPARKPLE_LAB_ENGINE_TIMEOUT_S must be a number of seconds")
     if args.engine_timeout_s <= 0:
-        parser.error("--engine-timeout-s must be > 0")
+        parser.error("SPARKPLE_LAB_ENGINE_TIMEOUT_S must be > 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
 
     # PID 1 in a container ignores SIGTERM unless it handles it: `docker stop` must stop us,
     # also while the engine starts. SystemExit unwinds to the `finally` that stops the engine.
@@ -389,7 +506,9 @@ def main(argv: list[str] | None = None) -> int:
     state = State()
     state.model = args.served_model_name or args.model
     state.engine_timeout_s = args.engine_timeout_s
-    log(f"a stand-in for vLLM; ignoring vLLM flags {ignored}")
+    state.max_model_len = args.max_model_len or 0
+    state.model_root = args.model
+    log(f"a stand-in for vLLM serving {args.model} as {state.model}")
     socket_dir = tempfile.mkdtemp(prefix="sparkple-lab-")
     state.socket_path = os.path.join(socket_dir, "engine.sock")
     # fork before any thread or listening socket exists, so the engine inherits neither

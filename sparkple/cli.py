@@ -15,6 +15,9 @@ from .errors import EXIT_CHECK_FAILED, SparkpleError
 # subcommand -> module that defines `add_parser(subparsers, name)`; the parser's
 # default `func(args) -> int` runs it.
 COMMANDS: dict[str, str] = {
+    "serving-plan": "sparkple.serving",
+    "launch-gate": "sparkple.serving",
+    "snapshot-manifest": "sparkple.manifest",
     "synth-checkpoint": "sparkple.synth",
     "build-table": "sparkple.build",
     "verify-table": "sparkple.build",

@@ -84,15 +84,18 @@ def lab_server(lab_data: dict, tmp_path: Path) -> Iterator[Callable[..., tuple]]
     """Start the server; returns (front Popen, port). Everything is killed at teardown."""
     started: list[subprocess.Popen] = []
 
-    def start(patch_dir: Path | None = None) -> tuple[subprocess.Popen, int]:
+    def start(
+        patch_dir: Path | None = None, extra_args: tuple[str, ...] = ()
+    ) -> tuple[subprocess.Popen, int]:
         port = free_port()
         env = {**os.environ,
                "PYTHONPATH": f"{ROOT}{os.pathsep}{lab_data['site']}",
                "VLLM_PLE_PACKED_TABLE_DIR": str(lab_data["table"]),
-               "SPARKPLE_PATCH_DIR": str(patch_dir or lab_data["patches"])}  # fmt: skip
+               "SPARKPLE_PATCH_DIR": str(patch_dir or lab_data["patches"]),
+               "SPARKPLE_LAB_ENGINE_TIMEOUT_S": str(ENGINE_TIMEOUT_S)}  # fmt: skip
         argv = [sys.executable, str(FILES / "lab_server.py"), "--model", str(lab_data["snap"]),
-                "--port", str(port), "--engine-timeout-s", str(ENGINE_TIMEOUT_S),
-                "--gpu-memory-utilization", "0.9"]  # fmt: skip
+                "--port", str(port),
+                "--gpu-memory-utilization", "0.9", *extra_args]  # fmt: skip
         with open(tmp_path / f"server-{len(started)}.log", "wb") as log:
             front = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         started.append(front)
