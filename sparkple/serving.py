@@ -76,6 +76,28 @@ OWNED_FLAGS: dict[str, str] = {
     "--gpu-memory-utilization": "the budget (vllm_service_memtotal_reserve_gib and friends)",
     "--kv-cache-memory-bytes": "the budget (vllm_service_memtotal_reserve_gib and friends)",
 }
+# What the packed-table PLE path cannot serve (the vLLM patch refuses them at start as well):
+# a flag, its short form, and why. Sizes are refused above 1, switches whenever given.
+PLE_UNSERVABLE: dict[str, tuple[str, str]] = {
+    "--pipeline-parallel-size": ("-pp", "later pipeline ranks do not see the token ids"),
+    "--tensor-parallel-size": ("-tp", "the packed table serves one rank"),
+    "--prefill-context-parallel-size": ("-pcp", "tokens are split across ranks after the PLE step"),
+    "--enable-dbo": ("", "the PLE rows are uploaded per batch, not per micro-batch"),
+    "--ubatch-size": ("", "the PLE rows are uploaded per batch, not per micro-batch"),
+}
+
+
+def _across_dp(arg: str, following: list[str]) -> bool:
+    """Whether an --engram-config argument turns embedding_across_dp on (JSON or dotted)."""
+    name, _, value = arg.partition("=")
+    if name == "--engram-config.embedding_across_dp":
+        return value.strip().lower() in ("", "true", "1")
+    text = value or (following[0] if following else "")
+    try:
+        config = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(config, dict) and config.get("embedding_across_dp") is True
 
 
 class ServingError(SparkpleError):
@@ -269,12 +291,33 @@ class Recipe:
                     f"vllm_service_extra_args sets {flag}, which the recipe sets from "
                     f"{OWNED_FLAGS[flag]}: change that instead and remove {arg!r}"
                 )
-            if flag == "--async-scheduling" and self.mtp_depth:
+        self.check_ple_servable()
+
+    def check_ple_servable(self) -> None:
+        """Refuse extra arguments that break the packed-table PLE path, naming the flag.
+
+        Async scheduling and MTP are served: the PLE step copies the same device inputs the
+        stock forward reads, drafts and rejections included.
+        """
+        short = {alias: flag for flag, (alias, _) in PLE_UNSERVABLE.items() if alias}
+        args = list(self.extra_args)
+        for i, arg in enumerate(args):
+            name, eq, value = arg.partition("=")
+            flag = short.get(name, name.replace("_", "-"))
+            if flag not in PLE_UNSERVABLE:
+                if flag.startswith("--engram-config") and _across_dp(arg, args[i + 1 : i + 2]):
+                    raise ServingError(
+                        f"vllm_service_extra_args has {arg!r}: embedding_across_dp shards the "
+                        "table across ranks, which the packed PLE table cannot serve; remove it"
+                    )
+                continue
+            if not eq and i + 1 < len(args) and not args[i + 1].startswith("-"):
+                value = args[i + 1]
+            switch = flag in ("--enable-dbo",)
+            if switch or not value.strip().isdigit() or int(value) > 1:
                 raise ServingError(
-                    "vllm_service_extra_args has --async-scheduling while MTP is on "
-                    f"(vllm_service_mtp_depth {self.mtp_depth}): the PLE path would look up "
-                    "wrong n-grams for the drafts; remove --async-scheduling or set "
-                    "vllm_service_mtp_depth 0"
+                    f"vllm_service_extra_args has {arg!r}: {PLE_UNSERVABLE[flag][1]}, so the "
+                    "packed PLE table cannot serve it; remove it from vllm_service_extra_args"
                 )
 
     def yarn_overrides(self, rope: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -111,7 +111,12 @@ def test_refused_when_the_container_exceeds_what_the_host_can_give() -> None:
         ({"mtp_depth": 9}, "vllm_service_mtp_depth"),
         ({"max_num_batched_tokens": 2}, "vllm_service_max_num_batched_tokens"),
         ({"extra_args": ("--max-num-seqs=8",)}, "vllm_service_max_num_seqs"),
-        ({"extra_args": ("--async-scheduling",)}, "--async-scheduling"),
+        ({"extra_args": ("--pipeline-parallel-size=2",)}, "later pipeline ranks"),
+        ({"extra_args": ("-tp", "2")}, "serves one rank"),
+        ({"extra_args": ("--prefill-context-parallel-size", "4")}, "split across ranks"),
+        ({"extra_args": ("--enable-dbo",)}, "micro-batch"),
+        ({"extra_args": ('--engram-config={"embedding_across_dp": true}',)}, "embedding_across_dp"),
+        ({"extra_args": ("--engram-config.embedding_across_dp=true",)}, "embedding_across_dp"),
         ({"extra_args": ("--gpu_memory_utilization=0.9",)}, "the budget"),
         ({"extra_args": ("--x\n--y",)}, "no newlines"),
     ],
@@ -129,8 +134,11 @@ def test_mtp_depth_must_suit_the_checkpoints_layers() -> None:
         recipe(mtp_depth=3).check(mtp_layers=2)
     with pytest.raises(ServingError, match="no MTP layers"):
         recipe(mtp_depth=1).check(mtp_layers=0)
-    # async scheduling is fine without MTP
-    recipe(mtp_depth=0, extra_args=("--async-scheduling",)).check(mtp_layers=1)
+    # async scheduling is served, with MTP too (the PLE step copies the inputs vLLM's forward
+    # reads); so are sizes of 1 and an engram config that keeps one table per rank
+    recipe(mtp_depth=3, extra_args=("--async-scheduling",)).check(mtp_layers=1)
+    recipe(extra_args=("--tensor-parallel-size=1", "-pp", "1")).check(mtp_layers=1)
+    recipe(extra_args=('--engram-config={"cpu_offload": false}',)).check(mtp_layers=1)
 
 
 def test_argv_is_the_recipe() -> None:
