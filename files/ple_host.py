@@ -7,6 +7,7 @@ with spaces stays one argument.
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 from dataclasses import dataclass
@@ -73,3 +74,43 @@ def run_command(
         return CommandResult(argv, 126, "", f"{argv[0]}: cannot run ({exc})")
     except subprocess.TimeoutExpired:
         return CommandResult(argv, 124, "", f"timed out after {timeout_s:g} s")
+
+
+KMSG = Path("/dev/kmsg")
+# Kernel log lines that count: the NVIDIA driver's Xid errors, and its out-of-memory status
+# (on a unified-memory Spark it comes before the host hangs).
+KERNEL_PATTERNS = {"xid": "NVRM: Xid", "nv_err_no_memory": "NV_ERR_NO_MEMORY"}
+
+
+def kernel_error_counts(path: Path = KMSG) -> dict[str, int] | None:
+    """How many kernel log records in the ring buffer match each KERNEL_PATTERNS entry.
+
+    /dev/kmsg returns one record per read and EAGAIN at the end (opened non-blocking); a plain
+    file (a saved log, in tests) is read the same way. None when the log cannot be read.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    counts = dict.fromkeys(KERNEL_PATTERNS, 0)
+    chunks: list[bytes] = []
+    try:
+        while True:
+            try:
+                chunk = os.read(fd, 8192)
+            except BlockingIOError:
+                break
+            except BrokenPipeError:  # records overwritten while reading: go on with the next
+                continue
+            except OSError:
+                return None
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    for line in b"".join(chunks).decode("utf-8", "replace").splitlines():
+        for key, needle in KERNEL_PATTERNS.items():
+            if needle in line:
+                counts[key] += 1
+    return counts

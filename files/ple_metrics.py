@@ -9,7 +9,8 @@ One run collects:
   - major page faults of the serving process tree (/proc/<pid>/stat, pid from --pid or from
     `docker inspect` of --container);
   - the PLE counters the patched backend writes into the stats dir (format: sparkple/stats.py);
-  - the supervisor's state and the incident markers, when --state-dir is given.
+  - the supervisor's state and the incident markers, when --state-dir is given;
+  - NVIDIA driver errors (Xid, NV_ERR_NO_MEMORY) in the kernel log, when --kmsg is given.
 A source that is missing only drops its metrics (and says so on stderr); the file is still
 written, so one broken source never blanks the rest.
 
@@ -30,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ple_host import read_meminfo, run_command
+from ple_host import kernel_error_counts, read_meminfo, run_command
 from ple_state import (
     INCIDENT_KINDS,
     SUPERVISOR_STATES,
@@ -338,6 +339,20 @@ def collect_ops(out: Exposition, state_dir: Path) -> None:
     )
 
 
+def collect_kernel(out: Exposition, kmsg: Path) -> None:
+    counts = kernel_error_counts(kmsg)
+    if counts is None:
+        warn(f"cannot read the kernel log {kmsg}; no kernel error counts")
+        return
+    name = out.family(
+        "kernel_errors",
+        "gauge",
+        "NVIDIA driver lines in the kernel log's ring buffer (Xid errors, NV_ERR_NO_MEMORY).",
+    )
+    for kind, n in sorted(counts.items()):
+        out.sample(name, n, {"kind": kind})
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="the .prom file to (re)write")
@@ -348,6 +363,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stats-dir", type=Path, help="where the backend writes ple-stats-*.json")
     p.add_argument("--stats-max-age-s", type=float, default=60.0, help="older files are stale")
     p.add_argument("--state-dir", type=Path, help="the watchdog/supervisor state dir")
+    p.add_argument(
+        "--kmsg", type=Path, help="kernel log to count NVIDIA errors in (e.g. /dev/kmsg)"
+    )
     args = p.parse_args(argv)
     if args.out.suffix != ".prom":
         p.error("--out must end in .prom (node_exporter's textfile collector reads only those)")
@@ -367,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         collect_stats(out, args.stats_dir, args.stats_max_age_s)
     if args.state_dir:
         collect_ops(out, args.state_dir)
+    if args.kmsg:
+        collect_kernel(out, args.kmsg)
     out.metric(
         "metrics_collect_seconds",
         "gauge",

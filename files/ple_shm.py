@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Shared-memory cleanup after the serving engine stopped.
+"""Shared-memory cleanup after the serving engine stopped (stop.yml, and the supervisor before
+every relaunch).
 
 With --ipc host the engine's POSIX shared memory (vLLM's message queues `psm_*`, NCCL's
 `nccl-*`, torch's `torch_*`, sparkple's handshake flags `sparkple-*`) lives in the host's
@@ -60,6 +61,33 @@ def holders(paths: list[Path]) -> dict[str, list[int]]:
     return {path: sorted(pids) for path, pids in held.items()}
 
 
+def survey(shm_dir: Path, patterns: list[str], remove: bool) -> dict:
+    """The matching segments and their holders; with `remove`, delete them when none is held."""
+    found = segments(shm_dir, [pat for pat in patterns if pat])
+    held = holders(found)
+    report: dict = {"segments": [], "held": held, "removed": [], "bytes_freed": 0}
+    for seg in found:
+        try:
+            report["segments"].append({"path": str(seg), "bytes": seg.stat().st_size})
+        except FileNotFoundError:
+            continue
+    if remove and not held:
+        for seg in found:
+            try:
+                size = seg.stat().st_size
+                seg.unlink()
+            except FileNotFoundError:
+                continue
+            report["removed"].append(str(seg))
+            report["bytes_freed"] += size
+    return report
+
+
+def clean_unheld(shm_dir: Path, patterns: list[str]) -> dict:
+    """Remove the matching segments unless a live process holds any of them (the report says)."""
+    return survey(shm_dir, patterns, remove=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"))
@@ -69,23 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     patterns = [pat for pat in args.patterns.split(",") if pat]
     if not patterns:
         p.error("--patterns must name at least one glob")
-    found = segments(args.shm_dir, patterns)
-    held = holders(found)
-    report = {
-        "segments": [{"path": str(s), "bytes": s.stat().st_size} for s in found],
-        "held": held,
-        "removed": [],
-        "bytes_freed": 0,
-    }
-    if args.remove and not held:
-        for seg in found:
-            try:
-                size = seg.stat().st_size
-                seg.unlink()
-            except FileNotFoundError:
-                continue
-            report["removed"].append(str(seg))
-            report["bytes_freed"] += size
+    report = survey(args.shm_dir, patterns, args.remove)
+    held = report["held"]
     print(json.dumps(report, indent=2, sort_keys=True))
     if held:
         print(

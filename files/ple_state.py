@@ -1,8 +1,9 @@
 """The operations state directory shared by the watchdog, supervisor and probe.
 
 Layout of the state dir (one per host):
-  markers/<kind>-<UTC stamp>.json   one file per incident (kind: emergency, wedged); kept for
-                                    forensics, counted by the supervisor's circuit breaker
+  markers/<kind>-<UTC stamp>.json   one file per incident (kind: emergency, unhealthy,
+                                    wedged); kept for forensics, counted by the supervisor's
+                                    circuit breaker
   manual-stop                       flag: an operator stopped the service; nothing relaunches it
   <program>.json                    each program's current state, for `status` output
   alerts.json                       when each alert kind was last sent (rate limit)
@@ -24,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 MARKERS = "markers"
-# Markers that record an incident: a memory emergency stop, or a wedged server stopped.
-INCIDENT_KINDS = frozenset({"emergency", "wedged"})
+# Markers that record an incident: a memory emergency stop, a server stopped by the probe
+# because /health kept failing after readiness (unhealthy) or generations kept failing with
+# /health 200 (wedged).
+INCIDENT_KINDS = frozenset({"emergency", "unhealthy", "wedged"})
 MANUAL_STOP = "manual-stop"
 # Every state the supervisor records in supervisor.json (the metrics export one gauge each).
 SUPERVISOR_STATES = (

@@ -3,17 +3,23 @@
 
 The serving unit has no restart policy of its own; this loop owns relaunching it:
   - a down service is relaunched after base x 2^n seconds (n: launches since the service was
-    last up for `stable_s`), capped;
-  - after `hold_after` consecutive failed launches (the start command fails, or the service
-    exits before `stable_s` without an incident marker explaining it) it holds;
+    last healthy for `stable_s`), capped; shared memory that no live process holds is removed
+    before every relaunch (a killed engine leaves it in /dev/shm under --ipc host);
+  - a launch must pass /health within `ready_timeout_s` (a cold start takes about 11 min);
+    one that does not is stopped, counted as a failed launch and alerted;
+  - "stable" means /health answered 200 without a miss for `stable_s`, not merely "up";
+  - after `hold_after` consecutive failed launches (the start command fails, the service
+    exits before it is stable without an incident marker explaining it, or it never gets
+    ready) it holds;
   - after `breaker_count` incidents (watchdog emergency markers) within `breaker_window_s` the
     circuit breaker opens: a host that keeps running out of memory needs a person, not retries;
-  - the manual-stop flag (written by the stop playbook or `manual-stop`) means hands off.
+  - the manual-stop flag (written by the stop playbook, a rollout or `manual-stop`) means hands
+    off; `manual-stop` and `resume` take the loop's lock, so no check in progress misses it.
 Hold and breaker latch until `reset`. State is in <state-dir>/supervisor.json; `status` prints
 it together with the watchdog's and the probe's state.
 
-Subcommands: run, status, reset, manual-stop, resume, relaunch (drain, then stop and start:
-the weekly maintenance relaunch).
+Subcommands: run, status, reset, manual-stop, resume, relaunch (drain, then stop and start,
+wait for /health and check a real generation: the weekly maintenance relaunch).
 """
 
 from __future__ import annotations
@@ -24,14 +30,18 @@ import signal
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from ple_alert import Alerter
-from ple_host import run_command
+from ple_host import KMSG, kernel_error_counts, run_command
+from ple_probe import Client, check_generation, read_env_file
+from ple_shm import DEFAULT_PATTERNS, clean_unheld
 from ple_state import (
     INCIDENT_KINDS,
+    atomic_write_text,
     iso,
     locked,
     manual_stop_path,
@@ -54,11 +64,14 @@ def fresh_state() -> dict[str, Any]:
         "restarts": 0,
         "launch_failures": 0,
         "launch_at": None,
+        "ready_at": None,
+        "healthy_since": None,
         "down_since": None,
         "next_attempt_at": None,
         "hold_reason": None,
         "breaker_open_since": None,
         "breaker_reset_at": 0.0,
+        "last_heartbeat": None,
         "history": [],
     }
 
@@ -86,6 +99,7 @@ class Supervisor:
             "backoff_base_s": self.args.backoff_base_s,
             "backoff_cap_s": self.args.backoff_cap_s,
             "stable_s": self.args.stable_s,
+            "ready_timeout_s": self.args.ready_timeout_s,
             "hold_after": self.args.hold_after,
             "breaker_count": self.args.breaker_count,
             "breaker_window_s": self.args.breaker_window_s,
@@ -103,6 +117,28 @@ class Supervisor:
     def running(self) -> bool:
         return run_command(self.args.check_cmd, self.values, timeout_s=60).ok
 
+    def healthy(self) -> bool:
+        """/health answers 200 (always true without a health URL: then "up" is all we know)."""
+        if not self.args.url:
+            return True
+        return http_status(self.args.url.rstrip("/") + "/health", self.args.health_timeout_s) == 200
+
+    def clean_shm(self, st: dict[str, Any], now: float) -> None:
+        """Remove the shared memory a stopped engine left, unless a live process holds any."""
+        if not self.args.shm_patterns:
+            return
+        try:
+            report = clean_unheld(self.args.shm_dir, self.args.shm_patterns.split(","))
+        except OSError as exc:
+            self.record(st, now, "shm-unreadable", error=str(exc))
+            return
+        if report["held"]:
+            self.record(st, now, "shm-held", held=report["held"])
+        elif report["removed"]:
+            self.record(
+                st, now, "shm-cleaned", removed=report["removed"], bytes=report["bytes_freed"]
+            )
+
     def incidents(self, st: dict[str, Any], now: float) -> list[dict[str, Any]]:
         since = max(now - self.args.breaker_window_s, float(st["breaker_reset_at"] or 0.0))
         return read_markers(self.state_dir, self.kinds, since)
@@ -113,8 +149,21 @@ class Supervisor:
             now = time.time()
             st = self.load()
             self.step(st, now)
+            self.heartbeat(st, now)
             self.save(st, now)
             return st
+
+    def heartbeat(self, st: dict[str, Any], now: float) -> None:
+        """The opt-in daily "still alive" alert: silence from a host then means trouble."""
+        if not self.args.heartbeat_s or not self.alerter.url:
+            return
+        last = st.get("last_heartbeat")
+        if isinstance(last, int | float) and now - last < self.args.heartbeat_s:
+            return
+        rep = report(self.state_dir, self.args.kmsg)
+        rep["supervisor"] = {k: v for k, v in st.items() if k != "history"}
+        if self.alerter.send("heartbeat", f"heartbeat: {one_line(rep)}", {"report": rep}):
+            st["last_heartbeat"] = now
 
     def step(self, st: dict[str, Any], now: float) -> None:
         args = self.args
@@ -122,7 +171,7 @@ class Supervisor:
             if st["state"] != "manual-stop":
                 self.record(st, now, "manual-stop", note="flag present; not relaunching")
             st.update(state="manual-stop", restarts=0, launch_at=None, down_since=None)
-            st.update(next_attempt_at=None)
+            st.update(next_attempt_at=None, ready_at=None, healthy_since=None)
             return
         if st["breaker_open_since"] is None:
             incidents = self.incidents(st, now)
@@ -143,10 +192,16 @@ class Supervisor:
             return
 
         if self.running():
-            if st["launch_at"] is not None and now - st["launch_at"] >= args.stable_s:
-                self.record(st, now, "stable", after_s=round(now - st["launch_at"], 1))
-                st.update(launch_at=None, restarts=0, launch_failures=0)
-            st.update(state="running", down_since=None, next_attempt_at=None)
+            st.update(down_since=None, next_attempt_at=None)
+            if st["launch_at"] is None:
+                st["state"] = "running"
+                return
+            if self.watch_launch(st, now):
+                return
+            # never got ready: watch_launch stopped and counted it; relaunch after the backoff
+            st.update(down_since=now, next_attempt_at=now + self.delay(st["restarts"]))
+            if not self.hold_if_exhausted(st, now):
+                st["state"] = "backoff"
             return
 
         # The service is down.
@@ -160,7 +215,7 @@ class Supervisor:
             else:
                 st["launch_failures"] += 1
                 self.record(st, now, "launch-failed", exited_after_s=lived)
-            st["launch_at"] = None
+            st.update(launch_at=None, ready_at=None, healthy_since=None)
         elif st["down_since"] is None:
             self.record(st, now, "down")
         if st["down_since"] is None:
@@ -173,13 +228,52 @@ class Supervisor:
             return
         self.launch(st, now)
 
+    def watch_launch(self, st: dict[str, Any], now: float) -> bool:
+        """Follow a launch until it is stable; False when it missed its readiness deadline
+        (then it has been stopped and counted)."""
+        args = self.args
+        healthy = self.healthy()
+        if healthy and st["ready_at"] is None:
+            st["ready_at"] = now
+            self.record(st, now, "ready", after_s=round(now - st["launch_at"], 1))
+        if st["ready_at"] is None:
+            if now - st["launch_at"] < args.ready_timeout_s:
+                st["state"] = "launched"
+                return True
+            lived = round(now - st["launch_at"], 1)
+            stop = run_command(args.stop_cmd, self.values, timeout_s=args.stop_timeout_s)
+            st["launch_failures"] += 1
+            self.record(st, now, "ready-timeout", after_s=lived, stop_exit=stop.returncode)
+            self.alerter.send(
+                "not-ready",
+                f"{args.unit} did not pass /health within {args.ready_timeout_s:g} s of its "
+                "launch; stopped it, will relaunch after the backoff",
+                {"after_s": lived, "launch_failures": st["launch_failures"]},
+            )
+            st.update(launch_at=None, ready_at=None, healthy_since=None)
+            return False
+        if not healthy:
+            st["healthy_since"] = None
+        elif st["healthy_since"] is None:
+            st["healthy_since"] = now
+        if st["healthy_since"] is not None and now - st["healthy_since"] >= args.stable_s:
+            self.record(st, now, "stable", after_s=round(now - st["launch_at"], 1))
+            st.update(launch_at=None, ready_at=None, healthy_since=None)
+            st.update(restarts=0, launch_failures=0)
+            st["state"] = "running"
+            return True
+        st["state"] = "running"  # ready and serving; the backoff resets once it is stable
+        return True
+
     def launch(self, st: dict[str, Any], now: float) -> None:
         waited = round(now - st["down_since"], 2)
+        self.clean_shm(st, now)
         result = run_command(self.args.start_cmd, self.values, timeout_s=self.args.start_timeout_s)
         st["restarts"] += 1
         if result.ok:
             self.record(st, now, "relaunch", attempt=st["restarts"], waited_s=waited)
             st.update(state="launched", launch_at=now, down_since=None, next_attempt_at=None)
+            st.update(ready_at=None, healthy_since=None)
             return
         failed = {"attempt": st["restarts"], "waited_s": waited, "exit": result.returncode}
         # A watchdog that stopped the service while it was starting explains the failure.
@@ -232,6 +326,8 @@ class Supervisor:
                 launch_failures=0,
                 restarts=0,
                 launch_at=None,
+                ready_at=None,
+                healthy_since=None,
                 down_since=None,
                 next_attempt_at=None,
                 state="reset",
@@ -266,9 +362,42 @@ class Supervisor:
                 start_exit=start.returncode,
             )
             if start.ok:
-                st.update(state="launched", launch_at=now)
+                st.update(state="launched", launch_at=now, ready_at=None, healthy_since=None)
             self.save(st, now)
-        return 0 if stop.ok and start.ok else 1
+        if not (stop.ok and start.ok):
+            return 1
+        return self.smoke(now)
+
+    def smoke(self, launched: float) -> int:
+        """After a maintenance relaunch: wait for /health, then ask for a real generation."""
+        if not self.args.url:
+            return 0
+        deadline = launched + self.args.ready_timeout_s
+        while not self.healthy() and time.time() < deadline:
+            time.sleep(min(self.args.poll_s, max(0.0, deadline - time.time())))
+        ready = self.healthy()
+        if ready:
+            ok, detail = check_generation(
+                self.client(), self.args.model, self.args.generation_timeout_s
+            )
+        else:
+            ok, detail = False, f"/health not 200 within {self.args.ready_timeout_s:g} s"
+        with locked(self.lock):
+            now = time.time()
+            st = self.load()
+            self.record(st, now, "maintenance-smoke", ok=ok, detail=detail)
+            self.save(st, now)
+        if not ok:
+            self.alerter.send(
+                "relaunch-smoke-failed", f"weekly relaunch: smoke generation failed: {detail}"
+            )
+        return 0 if ok else 1
+
+    def client(self) -> Client:
+        key = ""
+        if self.args.api_key_file:
+            key = read_env_file(self.args.api_key_file, self.args.api_key_var)
+        return Client(self.args.url, key)
 
     def drain(self) -> bool:
         """Wait until the engine reports no running or waiting request (or time runs out)."""
@@ -285,6 +414,18 @@ class Supervisor:
             time.sleep(min(5.0, max(0.1, deadline - time.monotonic())))
         log(f"drain: still busy after {self.args.drain_timeout_s:g} s; relaunching anyway")
         return False
+
+
+def http_status(url: str, timeout_s: float) -> int:
+    """The HTTP status of a GET (0 when no answer came)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            response.read(1024)
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (OSError, ValueError):
+        return 0
 
 
 def requests_in_flight(url: str) -> float | None:
@@ -306,9 +447,9 @@ def requests_in_flight(url: str) -> float | None:
     return total if seen else None
 
 
-def status(state_dir: Path, as_json: bool) -> int:
+def report(state_dir: Path, kmsg: Path) -> dict[str, Any]:
     now = time.time()
-    report = {
+    return {
         "manual_stop": manual_stop_path(state_dir).exists(),
         "supervisor": read_json(state_dir / "supervisor.json", None),
         "watchdog": read_json(state_dir / "watchdog.json", None),
@@ -317,18 +458,44 @@ def status(state_dir: Path, as_json: bool) -> int:
             {k: m.get(k) for k in ("kind", "time_iso", "reason", "path")}
             for m in read_markers(state_dir, INCIDENT_KINDS, now - 86400)
         ],
+        "kernel_errors": kernel_error_counts(kmsg),
     }
+
+
+def kernel_line(errors: dict[str, int] | None) -> str:
+    if errors is None:
+        return "kernel log: unreadable"
+    return f"kernel log: Xid {errors['xid']}, NV_ERR_NO_MEMORY {errors['nv_err_no_memory']}"
+
+
+def one_line(rep: dict[str, Any]) -> str:
+    """The status in one line (the daily heartbeat's text)."""
+    sup = rep["supervisor"] or {}
+    probe = rep["probe"] or {}
+    wd = rep["watchdog"] or {}
+    return (
+        f"supervisor {sup.get('state', 'unknown')}"
+        + (" (manual stop)" if rep["manual_stop"] else "")
+        + f", probe {probe.get('last_result', 'unknown')}, incidents in 24 h "
+        f"{len(rep['incidents_24h'])}, MemAvailable "
+        f"{wd.get('mem_available_bytes', 0) // (1024 * 1024)} MiB, "
+        + kernel_line(rep["kernel_errors"])
+    )
+
+
+def status(state_dir: Path, as_json: bool, kmsg: Path) -> int:
+    rep = report(state_dir, kmsg)
     if as_json:
-        print(json.dumps(report, indent=2, sort_keys=True))
+        print(json.dumps(rep, indent=2, sort_keys=True))
         return 0
-    sup = report["supervisor"] or {}
-    wd = report["watchdog"] or {}
-    probe = report["probe"] or {}
+    sup = rep["supervisor"] or {}
+    wd = rep["watchdog"] or {}
+    probe = rep["probe"] or {}
     mib = 1024 * 1024
     lines = [
         f"supervisor: {sup.get('state', 'unknown')}"
         + (f" (hold: {sup['hold_reason']})" if sup.get("hold_reason") else "")
-        + (" (manual stop)" if report["manual_stop"] else ""),
+        + (" (manual stop)" if rep["manual_stop"] else ""),
         f"  restarts in streak {sup.get('restarts', 0)}, failed launches "
         f"{sup.get('launch_failures', 0)}, next attempt {iso_or_dash(sup.get('next_attempt_at'))}",
         f"watchdog: MemAvailable {wd.get('mem_available_bytes', 0) // mib} MiB, MemFree "
@@ -336,9 +503,10 @@ def status(state_dir: Path, as_json: bool) -> int:
         f"updated {iso_or_dash(wd.get('updated'))}",
         f"probe: {probe.get('last_result', 'unknown')}, consecutive failures "
         f"{probe.get('consecutive_failures', 0)}, last ok {iso_or_dash(probe.get('last_ok'))}",
-        f"incidents in 24 h: {len(report['incidents_24h'])}",
+        kernel_line(rep["kernel_errors"]),
+        f"incidents in 24 h: {len(rep['incidents_24h'])}",
     ]
-    lines += [f"  {m['time_iso']} {m['kind']}: {m['reason']}" for m in report["incidents_24h"]]
+    lines += [f"  {m['time_iso']} {m['kind']}: {m['reason']}" for m in rep["incidents_24h"]]
     print("\n".join(lines))
     return 0
 
@@ -352,6 +520,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sub = p.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--state-dir", type=Path, required=True, help="markers and state (shared)")
+    common.add_argument("--kmsg", type=Path, default=KMSG, help="kernel log (Xid counts)")
     service = argparse.ArgumentParser(add_help=False)
     service.add_argument("--unit", default="sparkple-vllm.service", help="unit name ({unit})")
     service.add_argument("--container", default="sparkple-vllm", help="container ({container})")
@@ -361,11 +530,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     service.add_argument("--start-timeout-s", type=float, default=300.0)
     service.add_argument("--stop-timeout-s", type=float, default=180.0)
     service.add_argument("--alert-min-interval-s", type=float, default=900.0)
+    service.add_argument(
+        "--url", default="", help="the server's base URL (/health); empty: up means ready"
+    )
+    service.add_argument("--health-timeout-s", type=float, default=5.0)
+    service.add_argument("--model", default="", help="model for the smoke generation")
+    service.add_argument("--api-key-file", type=Path, help="env file holding the API key")
+    service.add_argument("--api-key-var", default="VLLM_API_KEY", help="its variable name")
+    service.add_argument("--generation-timeout-s", type=float, default=120.0)
+    service.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"))
+    service.add_argument(
+        "--shm-patterns",
+        default=DEFAULT_PATTERNS,
+        help="segments removed before a relaunch when no process holds any; empty: none",
+    )
     policy = argparse.ArgumentParser(add_help=False)
     policy.add_argument("--poll-s", type=float, default=5.0, help="seconds between checks")
     policy.add_argument("--backoff-base-s", type=float, default=30.0, help="first relaunch delay")
     policy.add_argument("--backoff-cap-s", type=float, default=900.0, help="longest delay")
-    policy.add_argument("--stable-s", type=float, default=600.0, help="uptime that resets n")
+    policy.add_argument("--stable-s", type=float, default=600.0, help="healthy time that resets n")
+    policy.add_argument(
+        "--ready-timeout-s",
+        type=float,
+        default=1800.0,
+        help="a launch must pass /health within this, or it is stopped and counted",
+    )
+    policy.add_argument(
+        "--heartbeat-s", type=float, default=0.0, help="alert a status line this often; 0: off"
+    )
     policy.add_argument("--hold-after", type=int, default=5, help="failed launches in a row")
     policy.add_argument("--breaker-count", type=int, default=3, help="incidents that open it")
     policy.add_argument("--breaker-window-s", type=float, default=7200.0, help="within this")
@@ -381,27 +573,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--json", action="store_true"
     )
     sub.add_parser("reset", parents=[common, service, policy], help="close breaker, clear hold")
-    sub.add_parser("manual-stop", parents=[common], help="set the manual-stop flag")
+    sub.add_parser("manual-stop", parents=[common], help="set the manual-stop flag").add_argument(
+        "--reason", default="operator", help="who set it (shown by status)"
+    )
     sub.add_parser("resume", parents=[common], help="remove the manual-stop flag")
     sub.add_parser("relaunch", parents=[common, service, policy, drain], help="drain, stop, start")
     args = p.parse_args(argv)
     if args.command in ("run", "reset", "relaunch") and (
-        args.backoff_base_s <= 0 or args.hold_after < 1 or args.breaker_count < 1
+        args.backoff_base_s <= 0
+        or args.hold_after < 1
+        or args.breaker_count < 1
+        or args.ready_timeout_s <= 0
+        or args.heartbeat_s < 0
     ):
-        p.error("--backoff-base-s must be > 0, --hold-after and --breaker-count >= 1")
+        p.error(
+            "--backoff-base-s and --ready-timeout-s must be > 0, --heartbeat-s >= 0, "
+            "--hold-after and --breaker-count >= 1"
+        )
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "status":
-        return status(args.state_dir, args.json)
-    if args.command == "manual-stop":
-        args.state_dir.mkdir(parents=True, exist_ok=True)
-        manual_stop_path(args.state_dir).write_text(f"set {iso(time.time())}\n")
-        return 0
-    if args.command == "resume":
-        manual_stop_path(args.state_dir).unlink(missing_ok=True)
+        return status(args.state_dir, args.json, args.kmsg)
+    if args.command in ("manual-stop", "resume"):
+        # Under the loop's lock: a check in progress finishes first, the next one sees the flag.
+        with locked(args.state_dir / "supervisor.lock"):
+            if args.command == "manual-stop":
+                atomic_write_text(
+                    manual_stop_path(args.state_dir), f"set {iso(time.time())} by {args.reason}\n"
+                )
+            else:
+                manual_stop_path(args.state_dir).unlink(missing_ok=True)
         return 0
     supervisor = Supervisor(args)
     if args.command == "reset":

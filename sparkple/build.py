@@ -41,7 +41,7 @@ from .errors import (
     TableError,
 )
 from .geometry import PLEGeometry, RowFormat, text_config
-from .safetensors_io import Snapshot, TensorInfo
+from .safetensors_io import Snapshot, TensorInfo, describe_oserror, open_regular
 from .tablemeta import (
     DATA_PREFIX,
     DATA_SUFFIX,
@@ -146,6 +146,7 @@ def _scalar_scale(snap: Snapshot, name: str) -> float:
 def plan_build(snapshot_dir: str | os.PathLike[str]) -> Plan:
     """Read a snapshot's index, config and headers and check the PLE shards tensor by tensor."""
     snap = Snapshot(snapshot_dir)
+    snap.check_all()
     found: dict[str, list[int]] = {}
     for name in snap.weight_map:
         m = SHARD_RE.match(name)
@@ -206,7 +207,7 @@ def plan_build(snapshot_dir: str | os.PathLike[str]) -> Plan:
         shards.append(Shard(i, rows, codes, scales))
     scale_name = f"{emb}.weight_scale_2" if quant == "nvfp4" else f"{emb}.weight_scale"
     global_scale = _scalar_scale(snap, scale_name)
-    files = [{"name": n, "size": (snap.dir / n).stat().st_size} for n in snap.file_names]
+    files = [{"name": n, "size": snap.file_size(n)} for n in snap.file_names]
     fingerprint = SourceFingerprint(
         snapshot_id=snap.dir.resolve().name,
         files=files,
@@ -252,7 +253,7 @@ class _Sources:
         key = (info.path, info.name.endswith("_scale"))
         fd = self.fds.get(key)
         if fd is None:
-            fd = self.fds[key] = os.open(info.path, os.O_RDONLY)
+            fd = self.fds[key] = open_regular(info.path, "safetensors file")[0]
             os.posix_fadvise(fd, 0, 0, self.advice)
         return fd
 
@@ -773,6 +774,12 @@ def _run_build(args: argparse.Namespace) -> int:
     except SparkpleError as exc:
         print(f"build-table: {exc}\nnothing new was published in {args.out_dir}", file=sys.stderr)
         return EXIT_CHECK_FAILED
+    except OSError as exc:
+        print(
+            f"build-table: {describe_oserror(exc)}\nnothing new was published in {args.out_dir}",
+            file=sys.stderr,
+        )
+        return EXIT_CHECK_FAILED
     where = meta.data_path(args.out_dir)
     if status == "up-to-date":
         print(f"build-table: {where} is up to date with {args.snapshot}; nothing to do")
@@ -802,6 +809,9 @@ def _run_verify(args: argparse.Namespace) -> int:
         )
     except SparkpleError as exc:
         print(f"verify-table: {exc}", file=sys.stderr)
+        return EXIT_CHECK_FAILED
+    except OSError as exc:
+        print(f"verify-table: {describe_oserror(exc)}", file=sys.stderr)
         return EXIT_CHECK_FAILED
     for p in problems:
         print(f"verify-table: {p}", file=sys.stderr)

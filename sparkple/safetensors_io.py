@@ -7,9 +7,11 @@ file and, where there is one, the tensor.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,32 +64,125 @@ class TensorInfo:
         return np.array(self.memmap())
 
 
-def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse and validate one safetensors file's header."""
+def open_regular(path: Path, what: str = "file") -> tuple[int, int]:
+    """Open a file that must be a regular file, without blocking: (fd, size).
+
+    O_NONBLOCK keeps a FIFO (or a device) in place of a snapshot file from hanging the
+    caller in open(); anything but a regular file is refused before a byte is read.
+    """
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise CheckpointError(f"{path}: {size} bytes is too short for a safetensors header")
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > MAX_HEADER_BYTES:
-                raise CheckpointError(
-                    f"{path}: header length {header_len} is absurdly large (limit "
-                    f"{MAX_HEADER_BYTES}); the file is corrupt or not safetensors"
-                )
-            if 8 + header_len > size:
-                raise CheckpointError(
-                    f"{path}: header length {header_len} runs past the end of the {size}-byte "
-                    "file; the file is truncated or corrupt, download it again"
-                )
-            raw = f.read(header_len)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing; the snapshot is incomplete") from None
-    except IsADirectoryError:
-        raise CheckpointError(f"{path} is a directory, not a safetensors file") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot open {what} {path}: {_oserror(exc)}") from None
     try:
-        header = json.loads(raw.decode("utf-8"))
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(
+                f"{path} is {_kind(st.st_mode)}, not a regular file; replace it with the "
+                f"{what} from the snapshot"
+            )
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def read_regular(path: Path, what: str = "file") -> bytes:
+    """The whole content of a small file that must be a regular file (see open_regular)."""
+    fd, size = open_regular(path, what)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {what} {path}: {_oserror(exc)}") from None
+    finally:
+        os.close(fd)
+
+
+def describe_oserror(exc: OSError) -> str:
+    """One line for an OS error: the path and what went wrong, no traceback."""
+    where = f"{exc.filename}: " if exc.filename else ""
+    return f"{where}{_oserror(exc)}"
+
+
+def _oserror(exc: OSError) -> str:
+    if exc.errno == errno.ELOOP:
+        return "too many levels of symbolic links (a symlink loop); fix or replace the link"
+    return exc.strerror or str(exc)
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return "not a plain file"
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse and validate one safetensors file's header (see read_header_sized)."""
+    return read_header_sized(path)[0]
+
+
+def read_header_sized(path: Path) -> tuple[dict[str, TensorInfo], int]:
+    """Parse and validate one safetensors file's header; also returns the file's size.
+
+    The rules are the `safetensors` library's: no duplicate keys, and the tensors' data
+    regions tile the data section exactly (no overlap, no gap, no trailing bytes).
+    """
+    fd, size = open_regular(path, "safetensors file")
+    try:
+        prefix = os.pread(fd, 8, 0)
+        if len(prefix) < 8:
+            raise CheckpointError(f"{path}: {size} bytes is too short for a safetensors header")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > MAX_HEADER_BYTES:
+            raise CheckpointError(
+                f"{path}: header length {header_len} is absurdly large (limit "
+                f"{MAX_HEADER_BYTES}); the file is corrupt or not safetensors"
+            )
+        if 8 + header_len > size:
+            raise CheckpointError(
+                f"{path}: header length {header_len} runs past the end of the {size}-byte "
+                "file; the file is truncated or corrupt, download it again"
+            )
+        raw = os.pread(fd, header_len, 8)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read safetensors file {path}: {_oserror(exc)}") from None
+    finally:
+        os.close(fd)
+    if len(raw) != header_len:
+        raise CheckpointError(f"{path}: the file shrank while its header was read; retry")
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as exc:
+        raise CheckpointError(
+            f"{path}: header names {exc.key!r} twice; the safetensors library refuses such a "
+            "file (it is corrupt or hand-edited), download it again"
+        ) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path}: header is not valid JSON ({exc})") from exc
     if not isinstance(header, dict):
@@ -99,13 +194,36 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         if name == "__metadata__":
             continue
         tensors[name] = _tensor_entry(path, name, entry, data_start, data_size)
-    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors.values() if t.nbytes)
-    for (_, end_a, name_a), (begin_b, _, name_b) in zip(spans, spans[1:], strict=False):
-        if begin_b < end_a:
+    _check_coverage(path, tensors, data_start, data_size)
+    return tensors, size
+
+
+def _check_coverage(
+    path: Path, tensors: dict[str, TensorInfo], data_start: int, data_size: int
+) -> None:
+    """The data regions, sorted, must follow each other from 0 to the end of the file."""
+    spans = sorted(
+        (t.offset - data_start, t.offset - data_start + t.nbytes, t.name) for t in tensors.values()
+    )
+    end, last = 0, None
+    for begin, stop, name in spans:
+        if begin < end:
             raise CheckpointError(
-                f"{path}: tensors {name_a!r} and {name_b!r} overlap; the file is corrupt"
+                f"{path}: tensors {last!r} and {name!r} overlap; the file is corrupt"
             )
-    return tensors
+        if begin > end:
+            raise CheckpointError(
+                f"{path}: data bytes [{end}, {begin}) before tensor {name!r} belong to no "
+                "tensor (the safetensors library refuses a file not fully covered); the file "
+                "is corrupt"
+            )
+        end, last = stop, name
+    if end != data_size:
+        raise CheckpointError(
+            f"{path}: {data_size - end} trailing bytes after the last tensor's data (the "
+            "safetensors library refuses a file not fully covered); the file is corrupt or "
+            "was appended to, download it again"
+        )
 
 
 def _tensor_entry(
@@ -145,17 +263,19 @@ class Snapshot:
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.dir = Path(directory)
         self.index_path = self.dir / INDEX_NAME
-        try:
-            self.index_bytes = self.index_path.read_bytes()
-        except FileNotFoundError:
+        if not os.path.lexists(self.index_path):
             raise CheckpointError(
                 f"{self.index_path} is missing: {self.dir} is not a sharded HF snapshot "
                 "(or the download is incomplete)"
-            ) from None
-        except OSError as exc:
-            raise CheckpointError(f"cannot read {self.index_path}: {exc}") from exc
+            )
+        self.index_bytes = read_regular(self.index_path, "index")
         try:
-            index = json.loads(self.index_bytes)
+            index = json.loads(self.index_bytes, object_pairs_hook=_no_duplicates)
+        except _DuplicateKey as exc:
+            raise CheckpointError(
+                f"{self.index_path} names {exc.key!r} twice; the index is corrupt or "
+                "hand-edited, download it again"
+            ) from None
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CheckpointError(f"{self.index_path} is not valid JSON ({exc})") from exc
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -172,6 +292,7 @@ class Snapshot:
                 )
         self.weight_map: dict[str, str] = weight_map
         self._headers: dict[str, dict[str, TensorInfo]] = {}
+        self._sizes: dict[str, int] = {}
 
     @property
     def file_names(self) -> list[str]:
@@ -179,8 +300,22 @@ class Snapshot:
 
     def header(self, file: str) -> dict[str, TensorInfo]:
         if file not in self._headers:
-            self._headers[file] = read_header(self.dir / file)
+            self._headers[file], self._sizes[file] = read_header_sized(self.dir / file)
         return self._headers[file]
+
+    def file_size(self, file: str) -> int:
+        """The size of a file the index names, once its header has been validated."""
+        self.header(file)
+        return self._sizes[file]
+
+    def check_all(self) -> None:
+        """Validate every file the index names and every tensor it lists, not only those used.
+
+        A snapshot that vLLM (or the safetensors library) would refuse is refused here too,
+        before anything is built from it.
+        """
+        for name in self.weight_map:
+            self.tensor(name)
 
     def tensor(self, name: str) -> TensorInfo:
         file = self.weight_map.get(name)
@@ -196,11 +331,10 @@ class Snapshot:
 
     def config(self) -> dict:
         path = self.dir / "config.json"
+        raw = read_regular(path, "config.json")
         try:
-            cfg = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise CheckpointError(f"{path} is missing; the snapshot is incomplete") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            cfg = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CheckpointError(f"{path} is not readable JSON ({exc})") from exc
         if not isinstance(cfg, dict):
             raise CheckpointError(f"{path} must hold a JSON object")

@@ -27,6 +27,8 @@ PLAYBOOK = """
       when: step == 'activate'
     - ansible.builtin.include_role: {name: release, tasks_from: rollback}
       when: step == 'rollback'
+    - ansible.builtin.include_role: {name: release, tasks_from: deploy}
+      when: step == 'deploy'
     - ansible.builtin.copy:
         content: "{{ {'id': release_id, 'current': release_current_id,
                       'previous': release_previous_id} | to_json }}"
@@ -53,6 +55,15 @@ def site(tmp_path: Path) -> Path:
     (patches / "models" / "x.py").write_text("x = 1\n")
     (patches / "manifest.json").write_text(json.dumps({"files": [{"path": "models/x.py"}]}))
     (tmp_path / "play.yml").write_text(PLAYBOOK)
+    # the service role a deploy runs: records which release it was handed
+    tasks = tmp_path / "roles" / "record_service" / "tasks"
+    tasks.mkdir(parents=True)
+    (tasks / "main.yml").write_text(
+        "- ansible.builtin.copy:\n"
+        "    content: '{{ release_run_dir }}'\n"
+        f"    dest: {tmp_path / 'served'}\n"
+        "    mode: '0644'\n"
+    )
     return tmp_path
 
 
@@ -65,11 +76,12 @@ def run(site: Path, action: str = "stage", **extra: str) -> tuple[dict, int]:
         "release_vllm_path": "/usr/lib/python3/dist-packages/vllm",
         "release_image": "sha256:" + "a" * 64,
         "release_name": "A",
+        "release_service_role": "record_service",
         "step": action,
         "out": str(site / "out.json"),
         **extra,
     }
-    env = dict(os.environ, ANSIBLE_ROLES_PATH=str(ROOT / "roles"))
+    env = dict(os.environ, ANSIBLE_ROLES_PATH=f"{ROOT / 'roles'}:{site / 'roles'}")
     env.pop("ANSIBLE_CONFIG", None)  # cwd is the temporary directory: no ansible.cfg applies
     variables["ansible_python_interpreter"] = sys.executable
     (site / "out.json").unlink(missing_ok=True)
@@ -132,3 +144,22 @@ def test_a_missing_table_stops_with_what_to_do(site: Path) -> None:
     (site / "table" / "table.json").unlink()
     with pytest.raises(AssertionError, match="No published table at .*ple_table"):
         run(site)
+
+
+def test_a_release_refuses_a_table_rebuilt_since_it_was_made(site: Path) -> None:
+    """ple_table rebuilds in place: neither a rollback nor a deploy may pair the new table with
+    an old release's patches."""
+    a, _ = run(site, "activate")
+    run(site, "deploy")
+    assert (site / "served").read_text() == str(site / "releases" / a["id"])
+    b, _ = run(site, "activate", release_name="B")
+    table_json = site / "table" / "table.json"
+    table_json.write_text('{"data_file": "rows-rebuilt.bin", "data_bytes": 4}')  # rebuilt
+    (site / "served").unlink()
+    with pytest.raises(AssertionError, match=r"was made with the table .* \(rebuilt since\)"):
+        run(site, "rollback", release_name="B")
+    links = site / "releases"
+    assert os.readlink(links / "current") == b["id"], "the links were left as they were"
+    with pytest.raises(AssertionError, match=r"Release [0-9a-f]{16} \(B\) was made with the table"):
+        run(site, "deploy", release_name="B")
+    assert not (site / "served").exists(), "nothing was started"

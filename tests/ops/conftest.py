@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import http.server
+import json
 import subprocess
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -42,3 +45,25 @@ def procs(tmp_path: Path) -> Iterator[Callable[[list[str]], subprocess.Popen]]:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+@pytest.fixture
+def receiver():
+    """A webhook receiver on 127.0.0.1: (its URL, the JSON bodies it got)."""
+    got: list[dict] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_POST(self) -> None:  # noqa: N802 - stdlib name
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            got.append(json.loads(body))
+            self.send_response(204)
+            self.end_headers()
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/hook", got
+    server.shutdown()
+    server.server_close()

@@ -7,7 +7,8 @@ each /v1/completions to a separate engine process, so stopping the engine (SIGST
   standin.py start DIR --port P [--api-key K]   start it detached, wait until /health is 200
   standin.py stop DIR                           SIGTERM, wait for exit (a graceful stop)
   standin.py is-active DIR                      exit 0 while the front process runs
-  standin.py serve DIR --port P                 the front (run by start)
+  standin.py serve DIR --port P                 the front (run by start); /health is 503
+                                                while DIR/health-fail exists
   standin.py engine --port Q                    the engine (run by serve)
 DIR holds front.pid, engine.pid and server.log.
 """
@@ -123,7 +124,8 @@ def serve(directory: Path, port: int, api_key: str) -> int:
 
         def do_GET(self) -> None:  # noqa: N802 - stdlib name
             if self.path == "/health":
-                self.reply(200, "")
+                # DIR/health-fail: /health fails as vLLM's does once its engine core is dead
+                self.reply(503 if (directory / "health-fail").exists() else 200, "")
             elif self.path == "/metrics":
                 self.reply(
                     200,

@@ -2,38 +2,14 @@
 
 from __future__ import annotations
 
-import http.server
-import json
 import os
 import socket
 import subprocess
-import threading
 import time
 
 import pytest
 from ops_helpers import above_real_memory, wait_for, watchdog_cmd
 from ple_alert import Alerter
-
-
-@pytest.fixture
-def receiver():
-    got: list[dict] = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def do_POST(self) -> None:  # noqa: N802 - stdlib name
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            got.append(json.loads(body))
-            self.send_response(204)
-            self.end_headers()
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/hook", got
-    server.shutdown()
-    server.server_close()
 
 
 @pytest.fixture

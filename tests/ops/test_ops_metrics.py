@@ -125,6 +125,13 @@ def test_promtool_accepts_the_file(tmp_path, table, reader):
     (state / "markers").mkdir(parents=True)
     (state / "markers" / "emergency-20260101T000000.000000Z.json").write_text("{}")
     (state / "supervisor.json").write_text(json.dumps({"state": "backoff"}))
+    kmsg = tmp_path / "kmsg"  # a saved kernel log, read like /dev/kmsg
+    kmsg.write_text(
+        "4,1,10,-;NVRM: Xid (PCI:000f:01:00): 13, pid=99, name=python3\n"
+        "4,2,20,-;NVRM: kgspRcAndNotifyAllChannels: NV_ERR_NO_MEMORY\n"
+        "4,3,30,-;NVRM: Xid (PCI:000f:01:00): 31, pid=99, name=python3\n"
+        "6,4,40,-;eth0: link up\n"
+    )
     reader.gather(0, 1000)
     out = tmp_path / "sparkple.prom"
     samples = collect(
@@ -133,7 +140,10 @@ def test_promtool_accepts_the_file(tmp_path, table, reader):
         "--pid", reader.pid,
         "--stats-dir", reader.stats_dir,
         "--state-dir", state,
+        "--kmsg", kmsg,
     )  # fmt: skip
+    assert samples['sparkple_kernel_errors{kind="xid"}'] == 2
+    assert samples['sparkple_kernel_errors{kind="nv_err_no_memory"}'] == 1
     assert samples['sparkple_ops_incidents_total{kind="emergency"}'] == 1
     assert samples['sparkple_supervisor_state{state="backoff"}'] == 1
     with open(out) as f:

@@ -1,5 +1,6 @@
-"""The health probe against the real stand-in server: healthy, down, protected by an API key,
-and wedged (its engine process SIGSTOPped while the API front still answers /health)."""
+"""The health probe against the real stand-in server: healthy, down, starting, protected by an
+API key, congested then wedged (its engine process SIGSTOPped while the API front still answers
+/health), and dead after readiness (/health failing)."""
 
 from __future__ import annotations
 
@@ -9,75 +10,128 @@ import subprocess
 import time
 import urllib.request
 
-from ops_helpers import markers, program, read_json
+from ops_helpers import markers, program, read_json, wait_for
 
 
-def probe(state, url: str, *args: object) -> subprocess.CompletedProcess:
+def probe(state, standin, *args: object, env: dict | None = None) -> subprocess.CompletedProcess:
+    """One probe run against the stand-in; its instance id is the front's pid while it runs."""
+    pidfile = standin.dir / "front.pid"
     argv = program(
-        "ple_probe.py", "--state-dir", state, "--url", url, "--generation-timeout-s", 0.5, *args
+        "ple_probe.py",
+        "--state-dir", state,
+        "--url", standin.url,
+        "--generation-timeout-s", 0.5,
+        "--instance-cmd", f"sh -c 'kill -0 $(cat {pidfile}) 2>/dev/null && cat {pidfile}'",
+        *args,
+    )  # fmt: skip
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=30, env={**os.environ, **(env or {})}
     )
-    return subprocess.run(argv, capture_output=True, text=True, timeout=30)
 
 
 def test_a_healthy_server_passes(tmp_path, standin):
     standin.start()
-    done = probe(tmp_path / "state", standin.url)
+    done = probe(tmp_path / "state", standin)
     assert done.returncode == 0, done.stdout + done.stderr
     state = read_json(tmp_path / "state" / "probe.json")
     assert state["last_result"] == "healthy" and state["consecutive_failures"] == 0
-    assert state["last_detail"].startswith("16 tokens")
+    assert state["last_detail"].startswith("16 tokens") and state["ready"] is True
 
 
-def test_a_wedged_engine_is_declared_after_five_failures(tmp_path, standin):
+def test_generations_failing_with_health_200_alert_congested_and_stop_only_later(
+    tmp_path, standin, receiver
+):
+    """The engine process is stopped (SIGSTOP): /health stays 200, generations time out."""
+    url, got = receiver
     standin.start()
     state = tmp_path / "state"
-    acted = tmp_path / "wedge-action-ran"
+    acted = tmp_path / "stop-ran"
+    flags = ("--congested-after", 2, "--congested-stop-s", 4, "--stop-cmd", f"touch {acted}")
+    env = {"PLE_ALERT_URL": url}
+    assert probe(state, standin, *flags).returncode == 0
     engine = standin.pid("engine")
     os.kill(engine, signal.SIGSTOP)
     try:
         started = time.monotonic()
-        for attempt in range(1, 5):
-            done = probe(state, standin.url, "--wedged-cmd", f"touch {acted}")
-            assert done.returncode == 1
-            assert "generation failing" in done.stdout and f"({attempt}/5)" in done.stdout
-            assert "HTTP no response after 0.5 s" in done.stdout, "it hung, not failed"
-            assert markers(state, "wedged") == []
+        first = probe(state, standin, *flags, env=env)
+        assert first.returncode == 1 and "generation failing" in first.stdout, first.stdout
+        assert "(1/2)" in first.stdout and "HTTP no response after 0.5 s" in first.stdout
+        for _ in range(2):  # congested: alerted, but nothing stopped (requests stay in flight)
+            done = probe(state, standin, *flags, env=env)
+            assert done.returncode == 1 and "congested:" in done.stdout, done.stdout
         with urllib.request.urlopen(standin.url + "/health", timeout=2) as r:
             assert r.status == 200, "the front still says healthy"
-        done = probe(state, standin.url, "--wedged-cmd", f"touch {acted}")
-        took = time.monotonic() - started
+        assert not acted.exists() and markers(state, "wedged") == []
+        wait_for(lambda: any(a["event"] == "congested" for a in got), 5, "the congested alert")
+        time.sleep(max(0.0, 4.2 - (time.monotonic() - started)))
+        done = probe(state, standin, *flags, env=env)  # the longer window is over: stop
     finally:
         os.kill(engine, signal.SIGCONT)
-    assert done.returncode == 1 and "WEDGED" in done.stdout
+    assert done.returncode == 1 and "WEDGED" in done.stdout, done.stdout
     [marker] = markers(state, "wedged")
-    assert "/health 200 but 5 generations in a row failed" in marker["reason"]
-    assert acted.exists() and marker["action_exit"] == 0, "the wedge action ran"
+    assert "/health 200 but generations failed for" in marker["reason"]
+    assert acted.exists() and marker["action_exit"] == 0, "the stop command ran"
     st = read_json(state / "probe.json")
     assert st["last_result"] == "wedged" and st["consecutive_failures"] == 0
     assert st["wedged_total"] == 1
-    print(f"wedge declared after 5 probes in {took:.1f} s")
+    wait_for(lambda: any(a["event"] == "engine-wedged" for a in got), 5, "the wedged alert")
+    assert [a["event"] for a in got].count("congested") == 1, "rate-limited, not one per run"
     # Once the engine runs again, the next probe is healthy.
-    assert probe(state, standin.url).returncode == 0
+    assert probe(state, standin, *flags).returncode == 0
+
+
+def test_health_failing_after_readiness_stops_the_engine(tmp_path, standin, receiver):
+    url, got = receiver
+    standin.start()
+    state = tmp_path / "state"
+    flags = ("--health-fail-after", 3, "--stop-cmd", standin.cmd("stop"))
+    env = {"PLE_ALERT_URL": url}
+    assert probe(state, standin, *flags).returncode == 0  # ready: /health answered 200
+    (standin.dir / "health-fail").touch()  # the engine core died: /health 503
+    for attempt in (1, 2):
+        done = probe(state, standin, *flags, env=env)
+        assert done.returncode == 1 and f"health failing: /health: HTTP 503 ({attempt}/3)" in (
+            done.stdout
+        ), done.stdout
+        assert standin.active() and markers(state, "unhealthy") == []
+    done = probe(state, standin, *flags, env=env)
+    assert done.returncode == 1 and "UNHEALTHY" in done.stdout, done.stdout
+    [marker] = markers(state, "unhealthy")
+    assert "/health failed 3 times in a row after the server was ready" in marker["reason"]
+    assert marker["action_exit"] == 0 and not standin.active(), "stopped for the supervisor"
+    wait_for(lambda: any(a["event"] == "engine-dead" for a in got), 5, "the alert")
+    assert read_json(state / "probe.json")["unhealthy_total"] == 1
+
+
+def test_a_starting_server_is_left_to_the_supervisor(tmp_path, standin):
+    """A new instance whose /health never answered 200 is not counted, however long it takes."""
+    standin.start()
+    (standin.dir / "health-fail").touch()
+    state = tmp_path / "state"
+    for _ in range(5):
+        done = probe(state, standin, "--health-fail-after", 1, "--stop-cmd", standin.cmd("stop"))
+        assert done.returncode == 1 and "starting: /health: HTTP 503" in done.stdout, done.stdout
+    assert standin.active() and markers(state, "unhealthy") == []
 
 
 def test_a_down_server_is_not_a_wedge(tmp_path, standin):
     state = tmp_path / "state"
     for _ in range(6):
-        done = probe(state, standin.url)  # nothing listens on the port
-        assert done.returncode == 1 and "down: /health: HTTP no response" in done.stdout
-    assert markers(state, "wedged") == []
+        done = probe(state, standin)  # nothing runs
+        assert done.returncode == 1 and "down: the unit is not running" in done.stdout
+    assert markers(state, "wedged") == [] and markers(state, "unhealthy") == []
     assert read_json(state / "probe.json")["consecutive_failures"] == 0
 
 
 def test_the_api_key_comes_from_an_env_file(tmp_path, standin):
     standin.start("--api-key", "s3cret")
     state = tmp_path / "state"
-    without = probe(state, standin.url)
+    without = probe(state, standin)
     assert without.returncode == 1 and "HTTP 401" in without.stdout
     env = tmp_path / "vllm.env"
     env.write_text("# secrets\nHF_TOKEN=x\nVLLM_API_KEY='s3cret'\n")
     env.chmod(0o600)
-    done = probe(state, standin.url, "--api-key-file", env)
+    done = probe(state, standin, "--api-key-file", env)
     assert done.returncode == 0, done.stdout
     assert "s3cret" not in done.stdout + done.stderr, "the key is never printed"
 
@@ -86,5 +140,5 @@ def test_manual_stop_skips_probing(tmp_path, standin):
     state = tmp_path / "state"
     state.mkdir()
     (state / "manual-stop").write_text("set\n")
-    done = probe(state, standin.url)
+    done = probe(state, standin)
     assert done.returncode == 0 and "manual stop" in done.stdout

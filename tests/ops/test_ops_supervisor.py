@@ -3,10 +3,14 @@ floor set above this machine's real MemAvailable), backoff, hold and circuit bre
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
 import time
+import uuid
+from pathlib import Path
 
+import pytest
 from ops_helpers import (
     FILES,
     above_real_memory,
@@ -20,6 +24,7 @@ from ops_helpers import (
 from ple_state import count_markers, read_markers, write_marker
 
 BASE = 0.5
+SHM = Path("/dev/shm")
 
 
 def supervisor(state, service, *args: object) -> list[str]:
@@ -244,3 +249,180 @@ def test_markers_are_read_by_kind_and_time_oldest_first(tmp_path):
     found = read_markers(state, {"emergency", "wedged"}, 1_500.0)
     assert [(m["kind"], m["time"]) for m in found] == [("wedged", 2_000.0), ("emergency", 3_000.0)]
     assert count_markers(state, {"emergency", "wedged"}) == {"emergency": 3, "wedged": 1}
+
+
+# ------------------------------------------------------------------ readiness and stability
+
+
+def test_a_start_that_never_gets_healthy_is_stopped_counted_and_alerted(
+    tmp_path, standin, procs, receiver, monkeypatch
+):
+    """The unit is up but /health never answers 200: past the readiness deadline the launch is
+    stopped and counted (not taken for a stable service), and an alert goes out."""
+    url, got = receiver
+    monkeypatch.setenv("PLE_ALERT_URL", url)
+    state = tmp_path / "state"
+    flag = standin.dir / "health-fail"  # the start itself waits for /health: set it after
+    broken_start = f'sh -c "rm -f {flag}; {standin.cmd("start")} && touch {flag}"'
+    procs(
+        supervisor(
+            state,
+            standin,
+            "--start-cmd",
+            broken_start,
+            "--url",
+            standin.url,
+            "--ready-timeout-s",
+            1,
+            "--stable-s",
+            0.2,
+            "--hold-after",
+            2,
+            "--backoff-base-s",
+            0.1,
+        )  # fmt: skip
+    )
+    wait_for(lambda: sup_state(state).get("state") == "hold", 30, "hold")
+    timeouts = events(state, "ready-timeout")
+    assert len(timeouts) == 2 and all(t["after_s"] >= 1 and t["stop_exit"] == 0 for t in timeouts)
+    assert events(state, "stable") == [] and events(state, "ready") == []
+    assert sup_state(state)["launch_failures"] == 2 and not standin.active()
+    wait_for(lambda: any(a["event"] == "not-ready" for a in got), 5, "the not-ready alert")
+
+
+def test_stable_means_healthy_for_stable_s_not_merely_up(tmp_path, standin, procs):
+    state = tmp_path / "state"
+    procs(supervisor(state, standin, "--url", standin.url, "--stable-s", 1.0))
+    wait_for(lambda: events(state, "ready"), 15, "ready")
+    (standin.dir / "health-fail").touch()  # up, but /health failing: the clock stops
+    time.sleep(1.6)
+    st = sup_state(state)
+    assert events(state, "stable") == [] and st["restarts"] == 1 and st["healthy_since"] is None
+    (standin.dir / "health-fail").unlink()
+    wait_for(lambda: events(state, "stable"), 10, "stable once healthy for 1 s")
+    st = sup_state(state)
+    assert st["state"] == "running" and st["restarts"] == 0 and st["launch_failures"] == 0
+    assert events(state, "stable")[0]["after_s"] >= 2.6
+
+
+# ------------------------------------------------------------------ shared memory
+
+
+@pytest.fixture
+def shm_prefix():
+    if not SHM.is_dir():
+        pytest.skip("no /dev/shm on this machine")
+    name = f"sparkple-test-{uuid.uuid4().hex[:8]}-"
+    yield name
+    for leftover in SHM.glob(name + "*"):
+        leftover.unlink()
+
+
+def test_leaked_shared_memory_is_removed_before_a_relaunch(tmp_path, standin, procs, shm_prefix):
+    leaked = [SHM / f"{shm_prefix}psm_{i}" for i in range(3)]
+    for seg in leaked:
+        seg.write_bytes(b"\0" * 8192)
+    state = tmp_path / "state"
+    procs(supervisor(state, standin, "--shm-patterns", f"{shm_prefix}*"))
+    wait_for(lambda: events(state, "relaunch"), 15, "the first launch")
+    [cleaned] = events(state, "shm-cleaned")
+    assert sorted(cleaned["removed"]) == sorted(map(str, leaked)) and cleaned["bytes"] == 3 * 8192
+    assert not any(seg.exists() for seg in leaked)
+    assert cleaned["time"] <= events(state, "relaunch")[0]["time"]
+
+
+def test_shared_memory_a_live_process_holds_is_kept(tmp_path, standin, procs, shm_prefix):
+    held, other = SHM / f"{shm_prefix}psm_held", SHM / f"{shm_prefix}psm_other"
+    for seg in (held, other):
+        seg.write_bytes(b"\0" * 4096)
+    code = "import mmap,sys; f=open(sys.argv[1],'r+b'); m=mmap.mmap(f.fileno(),4096); "
+    code += "print('holding',flush=True); sys.stdin.read()"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(held)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert holder.stdout.readline().strip() == b"holding"
+        state = tmp_path / "state"
+        procs(supervisor(state, standin, "--shm-patterns", f"{shm_prefix}*"))
+        wait_for(lambda: events(state, "relaunch"), 15, "the launch")
+        [kept] = events(state, "shm-held")
+        assert kept["held"] == {str(held): [holder.pid]}
+        assert held.exists() and other.exists(), "nothing removed while one is held"
+        assert events(state, "shm-cleaned") == []
+    finally:
+        holder.stdin.close()
+        holder.wait(10)
+
+
+# ------------------------------------------------------------------ manual stop, smoke, heartbeat
+
+
+def test_a_stop_under_the_manual_stop_flag_is_no_failure(tmp_path, standin, procs):
+    """What a rollout does: set the flag, stop, switch, start, clear the flag."""
+    state = tmp_path / "state"
+    standin.start()
+    procs(supervisor(state, standin, "--backoff-base-s", 0.1, "--url", standin.url))
+    wait_for(lambda: sup_state(state).get("state") == "running", 10, "running")
+    sup = ["ple_supervisor.py"]
+    subprocess.run(
+        program(*sup, "manual-stop", "--state-dir", state, "--reason", "rollout"),
+        check=True, timeout=20,
+    )  # fmt: skip
+    assert "by rollout" in (state / "manual-stop").read_text()
+    since = time.time()
+    subprocess.run(shlex.split(standin.cmd("stop")), check=True, timeout=20)
+    time.sleep(1.0)  # ten backoff periods
+    standin.start()
+    subprocess.run(program(*sup, "resume", "--state-dir", state), check=True, timeout=20)
+    wait_for(lambda: sup_state(state).get("state") == "running", 10, "running again")
+    later = [h["event"] for h in sup_state(state)["history"] if h["time"] >= since]
+    assert not {"down", "relaunch", "launch-failed", "ready-timeout"} & set(later), later
+
+
+def test_maintenance_relaunch_ends_with_a_smoke_generation(tmp_path, standin, procs):
+    state = tmp_path / "state"
+    standin.start()
+    procs(supervisor(state, standin))
+    wait_for(lambda: sup_state(state).get("state") == "running", 10, "running")
+    done = subprocess.run(
+        program(
+            "ple_supervisor.py", "relaunch",
+            "--state-dir", state,
+            "--check-cmd", standin.cmd("is-active"),
+            "--start-cmd", standin.cmd("start"),
+            "--stop-cmd", standin.cmd("stop"),
+            "--url", standin.url,
+            "--ready-timeout-s", 10,
+        ),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    [smoke] = events(state, "maintenance-smoke")
+    assert smoke["ok"] is True and smoke["detail"].startswith("16 tokens"), smoke
+
+
+def test_daily_heartbeat_carries_the_status_line_with_kernel_error_counts(
+    tmp_path, standin, procs, receiver, monkeypatch
+):
+    url, got = receiver
+    monkeypatch.setenv("PLE_ALERT_URL", url)
+    kmsg = tmp_path / "kmsg"
+    kmsg.write_text(
+        "6,1,100,-;NVRM: loading NVIDIA UNIX Open Kernel Module\n"
+        "4,2,200,-;NVRM: Xid (PCI:000f:01:00): 31, pid=1234, name=python3, Ch 00000008\n"
+        "4,3,300,-;NVRM: nvAssertOkFailedNoLog: Assertion failed: NV_ERR_NO_MEMORY\n"
+        "4,4,400,-;NVRM: Xid (PCI:000f:01:00): 43, pid=1234, name=python3, Ch 00000008\n"
+    )
+    state = tmp_path / "state"
+    standin.start()
+    procs(supervisor(state, standin, "--heartbeat-s", 86400, "--kmsg", kmsg))
+    beat = wait_for(lambda: [a for a in got if a["event"] == "heartbeat"], 10, "a heartbeat")
+    assert "supervisor running" in beat[0]["text"], beat
+    assert "Xid 2, NV_ERR_NO_MEMORY 1" in beat[0]["text"]
+    time.sleep(0.5)
+    assert len([a for a in got if a["event"] == "heartbeat"]) == 1, "once a day, not every poll"
+    shown = subprocess.run(
+        program("ple_supervisor.py", "status", "--state-dir", state, "--kmsg", kmsg),
+        capture_output=True, text=True, timeout=20,
+    )  # fmt: skip
+    assert "kernel log: Xid 2, NV_ERR_NO_MEMORY 1" in shown.stdout, shown.stdout

@@ -244,6 +244,62 @@ def _first_file(snap: Path) -> Path:
     return sorted(snap.glob("*.safetensors"))[0]
 
 
+def _file_of(snap: Path, tensor: str) -> Path:
+    return (
+        snap / json.loads((snap / "model.safetensors.index.json").read_text())["weight_map"][tensor]
+    )
+
+
+def _rebuild(path: Path, header_json: str, data: bytes) -> None:
+    """Write a safetensors file from a raw JSON header text and its data section."""
+    raw = header_json.encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+
+
+def _split(path: Path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
+
+
+def _duplicate_key(snap: Path) -> None:
+    """shard_5.weight named twice: the second entry points at junk appended after the data.
+
+    A JSON reader that keeps the last entry would pack the junk as shard 5's rows.
+    """
+    name = f"{EMB}.shard_5.weight"
+    path = _file_of(snap, name)
+    header, data = _split(path)
+    entry = header[name]
+    size = entry["data_offsets"][1] - entry["data_offsets"][0]
+    fake = dict(entry, data_offsets=[len(data), len(data) + size])
+    text = json.dumps(header, separators=(",", ":"))
+    text = text[:-1] + "," + json.dumps(name) + ":" + json.dumps(fake, separators=(",", ":")) + "}"
+    _rebuild(path, text, data + bytes([0x77]) * size)
+
+
+def _gap(snap: Path) -> None:
+    """16 stray bytes between two tensors; later offsets shifted so nothing overlaps."""
+    path = _file_of(snap, f"{EMB}.shard_7.weight")
+    header, data = _split(path)
+    cut = header[f"{EMB}.shard_7.weight"]["data_offsets"][1]
+    for key, entry in header.items():
+        if key != "__metadata__" and entry["data_offsets"][0] >= cut:
+            entry["data_offsets"] = [o + 16 for o in entry["data_offsets"]]
+    _rebuild(path, json.dumps(header), data[:cut] + b"\xee" * 16 + data[cut:])
+
+
+def _symlink_loop(snap: Path) -> None:
+    path = _first_file(snap)
+    path.unlink()
+    path.symlink_to(path.name)
+
+
+def _index_entry_is_a_directory(snap: Path) -> None:
+    (snap / "extra").mkdir()
+    _edit_index(snap, lambda m: m.update({"model.vision.proj.weight": "extra"}))
+
+
 BAD = {
     "no index": (lambda s: (s / "model.safetensors.index.json").unlink(), "index.json is missing"),
     "missing file": (lambda s: _first_file(s).unlink(), "is missing"),
@@ -300,6 +356,25 @@ BAD = {
         lambda s: _edit_config(s, lambda c: c.update(eos_token_id=[1, 2])),
         "eos_token_id",
     ),
+    "duplicate header key": (_duplicate_key, "shard_5.weight' twice"),
+    "uncovered data region": (_gap, r"data bytes \[\d+, \d+\) before tensor .* belong to no"),
+    "trailing bytes": (
+        lambda s: _first_file(s).write_bytes(_first_file(s).read_bytes() + b"\0" * 7),
+        "7 trailing bytes",
+    ),
+    "symlink loop": (_symlink_loop, "symlink loop"),
+    "index entry is a directory": (
+        _index_entry_is_a_directory,
+        "extra is a directory, not a regular file",
+    ),
+    "duplicate index key": (
+        lambda s: (s / "model.safetensors.index.json").write_text(
+            (s / "model.safetensors.index.json")
+            .read_text()
+            .replace('"weight_map": {', f'"weight_map": {{"{EMB}.shard_2.weight": "x",', 1)
+        ),
+        "shard_2.weight' twice",
+    ),
 }
 
 
@@ -315,7 +390,38 @@ def test_bad_input_is_refused_and_writes_nothing(snapshots, tmp_path, case):
 
     assert re.search(message, res.stderr), res.stderr
     assert "nothing new was published" in res.stderr
+    assert "Traceback" not in res.stderr and len(res.stderr.splitlines()) == 2, res.stderr
     assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize("which", ["shard", "index", "config"])
+def test_a_fifo_in_the_snapshot_is_refused_without_blocking(snapshots, tmp_path, which):
+    """A FIFO would block open() forever; it is refused at once (a real subprocess, timed)."""
+    snap = tmp_path / "snap"
+    shutil.copytree(snapshots("nvfp4", files=3), snap)
+    path = {
+        "shard": _first_file(snap),
+        "index": snap / "model.safetensors.index.json",
+        "config": snap / "config.json",
+    }[which]
+    path.unlink()
+    os.mkfifo(path)
+    t0 = time.monotonic()
+    res = run_cli("build-table", snap, tmp_path / "t")  # times out (fails) if open() blocks
+    assert time.monotonic() - t0 < 30
+    assert res.returncode == 1, res.stderr
+    assert f"{path} is a FIFO, not a regular file" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "t").exists()
+
+
+def test_an_unusable_out_dir_is_one_line_exit_1(snapshots, tmp_path):
+    loop = tmp_path / "loop"
+    loop.symlink_to("loop")
+    res = run_cli("build-table", snapshots("nvfp4", files=3), loop / "t")
+    assert res.returncode == 1, res.stderr
+    assert "symlink loop" in res.stderr and "Traceback" not in res.stderr
+    assert len(res.stderr.splitlines()) == 2
 
 
 # ------------------------------------------------------------------ crash safety

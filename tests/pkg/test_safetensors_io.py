@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -75,7 +76,44 @@ CASES = {
         "overlap",
     ),
     "span": (corrupt(good_header(), "a", shape=[2, 4]), 14, None, "'a'.*needs 8"),
+    "trailing bytes": (good_header(), 20, None, "6 trailing bytes"),
+    "gap": (
+        corrupt(corrupt(good_header(), "b", data_offsets=[8, 16]), "a", data_offsets=[0, 6]),
+        16,
+        None,
+        r"data bytes \[6, 8\) before tensor 'b' belong to no tensor",
+    ),
+    "gap at start": (
+        corrupt(corrupt(good_header(), "a", data_offsets=[2, 8]), "b", data_offsets=[8, 16]),
+        16,
+        None,
+        r"data bytes \[0, 2\) before tensor 'a'",
+    ),
+    "duplicate key": (
+        b'{"a":{"dtype":"U8","shape":[2,3],"data_offsets":[0,6]},'
+        b'"b":{"dtype":"F32","shape":[2],"data_offsets":[6,14]},'
+        b'"a":{"dtype":"U8","shape":[2,3],"data_offsets":[14,20]}}',
+        20,
+        None,
+        "names 'a' twice",
+    ),
 }
+
+# The cases the safetensors library itself refuses (our reader must refuse at least these).
+LIBRARY_REFUSES = ["trailing bytes", "gap", "gap at start", "duplicate key", "overlap"]
+
+
+@pytest.mark.parametrize("case", LIBRARY_REFUSES)
+def test_the_safetensors_library_refuses_the_same_files(tmp_path, case):
+    """Grounds the rules above in the reference reader, so they are not our invention."""
+    safetensors = pytest.importorskip("safetensors")
+    header, data_len, header_len, _ = CASES[case]
+    path = write_raw(tmp_path / "bad.safetensors", header, b"\0" * data_len, header_len)
+    with pytest.raises(Exception):  # noqa: B017 - SafetensorError is not importable by name
+        safetensors.safe_open(str(path), framework="numpy")
+    good = write_raw(tmp_path / "good.safetensors", good_header(), b"\0" * 14)
+    with safetensors.safe_open(str(good), framework="numpy") as f:
+        assert sorted(f.keys()) == ["a", "b"]
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
@@ -85,6 +123,20 @@ def test_bad_headers(tmp_path, case):
     with pytest.raises(CheckpointError, match=message) as err:
         read_header(path)
     assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "loop"])
+def test_only_regular_files_are_read(tmp_path, kind):
+    path = tmp_path / "x.safetensors"
+    if kind == "fifo":
+        os.mkfifo(path)  # a blocking open() would hang this test forever
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to(path.name)
+    want = {"fifo": "is a FIFO, not a regular file", "directory": "is a directory", "loop": "loop"}
+    with pytest.raises(CheckpointError, match=want[kind]):
+        read_header(path)
 
 
 def test_short_file(tmp_path):
