@@ -20,7 +20,8 @@ import pytest
 from ops_helpers import FILES, ROOT, wait_for
 from standin import alive, free_port
 
-from sparkple.build import build_table, plan_build
+from sparkple.build import build_table
+from sparkple.plan import plan_build
 from sparkple.synth import synth_checkpoint
 
 ENGINE_TIMEOUT_S = 0.5
