@@ -91,7 +91,7 @@ def lab_server(lab_data: dict, tmp_path: Path) -> Iterator[Callable[..., tuple]]
         port = free_port()
         env = {**os.environ,
                "PYTHONPATH": f"{ROOT}{os.pathsep}{lab_data['site']}",
-               "VLLM_PLE_PACKED_TABLE_DIR": str(lab_data["table"]),
+               "SPARKPLE_PLE_TABLE_DIR": str(lab_data["table"]),
                "SPARKPLE_PATCH_DIR": str(patch_dir or lab_data["patches"]),
                "SPARKPLE_LAB_ENGINE_TIMEOUT_S": str(ENGINE_TIMEOUT_S)}  # fmt: skip
         argv = [sys.executable, str(FILES / "lab_server.py"), "--model", str(lab_data["snap"]),
