@@ -19,9 +19,9 @@ COMMANDS: dict[str, str] = {
     "launch-gate": "sparkple.serving",
     "snapshot-manifest": "sparkple.manifest",
     "synth-checkpoint": "sparkple.synth",
-    "build-table": "sparkple.build",
-    "verify-table": "sparkple.build",
-    "inspect-table": "sparkple.build",
+    "build-table": "sparkple.tablecli",
+    "verify-table": "sparkple.tablecli",
+    "inspect-table": "sparkple.tablecli",
     "patch": "sparkple.patch.cli",
 }
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FILES = ROOT / "files"
+LAB = ROOT / "lab"  # the lab stand-in for vLLM (never shipped to a Spark)
 STANDIN = Path(__file__).with_name("standin.py")
 sys.path.insert(0, str(FILES))  # the modules the programs import (ple_state, ...)
 

@@ -1,4 +1,4 @@
-"""The lab server (files/lab_server.py) as real processes: its API front, its engine child, a real
+"""The lab server (lab/lab_server.py) as real processes: its API front, its engine child, a real
 table built through the synth + build path, and a patch manifest checked against real files.
 A SIGSTOPped engine must look wedged (/health 200, completions 504 within the bound)."""
 
@@ -17,10 +17,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from ops_helpers import FILES, ROOT, wait_for
+from ops_helpers import LAB, ROOT, wait_for
 from standin import alive, free_port
 
-from sparkple.build import build_table, plan_build
+from sparkple.build import build_table
+from sparkple.plan import plan_build
 from sparkple.synth import synth_checkpoint
 
 ENGINE_TIMEOUT_S = 0.5
@@ -90,10 +91,10 @@ def lab_server(lab_data: dict, tmp_path: Path) -> Iterator[Callable[..., tuple]]
         port = free_port()
         env = {**os.environ,
                "PYTHONPATH": f"{ROOT}{os.pathsep}{lab_data['site']}",
-               "VLLM_PLE_PACKED_TABLE_DIR": str(lab_data["table"]),
+               "SPARKPLE_PLE_TABLE_DIR": str(lab_data["table"]),
                "SPARKPLE_PATCH_DIR": str(patch_dir or lab_data["patches"]),
                "SPARKPLE_LAB_ENGINE_TIMEOUT_S": str(ENGINE_TIMEOUT_S)}  # fmt: skip
-        argv = [sys.executable, str(FILES / "lab_server.py"), "--model", str(lab_data["snap"]),
+        argv = [sys.executable, str(LAB / "lab_server.py"), "--model", str(lab_data["snap"]),
                 "--port", str(port),
                 "--gpu-memory-utilization", "0.9", *extra_args]  # fmt: skip
         with open(tmp_path / f"server-{len(started)}.log", "wb") as log:

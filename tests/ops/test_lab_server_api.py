@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from ops_helpers import FILES, ROOT
+from ops_helpers import LAB, ROOT
 from test_lab_server import lab_data, lab_server, request  # noqa: F401 - fixtures
 
 MTP = '--speculative-config={"method":"mtp","num_speculative_tokens":3}'
@@ -16,7 +16,7 @@ MTP = '--speculative-config={"method":"mtp","num_speculative_tokens":3}'
 
 def refused(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, str(FILES / "lab_server.py"), "/nonexistent", *args]
+    cmd = [sys.executable, str(LAB / "lab_server.py"), "/nonexistent", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=30)
 
 

@@ -16,11 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sparkple.build import build_table, plan_build, verify_table
+from sparkple.build import build_table
 from sparkple.errors import TableError
 from sparkple.geometry import PLEGeometry
+from sparkple.plan import plan_build
 from sparkple.synth import synth_checkpoint
 from sparkple.tablemeta import META_NAME, read_meta
+from sparkple.verify import verify_table
 
 from .conftest import ROOT, cli, run_cli
 

@@ -8,9 +8,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from sparkple.build import plan_build
 from sparkple.geometry import PLEGeometry
 from sparkple.nvfp4 import dequantize_fp8_rows, dequantize_rows
+from sparkple.plan import plan_build
 from sparkple.safetensors_io import Snapshot
 
 from .conftest import run_cli

@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sparkple.build import build_table, plan_build
+from sparkple.build import build_table
 from sparkple.geometry import PLEGeometry
+from sparkple.plan import plan_build
 from sparkple.synth import synth_checkpoint
 
 

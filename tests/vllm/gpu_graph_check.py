@@ -86,10 +86,10 @@ def main() -> int:
     ):
         stock_module = importlib.import_module(NGRAM_MODULE)
         patched, state_module = patched_modules(rendered)
-        os.environ.pop("VLLM_PLE_PACKED_TABLE_DIR", None)
+        os.environ.pop("SPARKPLE_PLE_TABLE_DIR", None)
         stock, _ = build(stock_module, config, snapshot, prefix, dtype, MAX_TOKENS)
         result["stock_backend"] = type(stock.ngram_embedding).__name__
-        os.environ["VLLM_PLE_PACKED_TABLE_DIR"] = str(table_dir)
+        os.environ["SPARKPLE_PLE_TABLE_DIR"] = str(table_dir)
         layer, _ = build(patched, config, snapshot, prefix, dtype, MAX_TOKENS)
         embedding = layer.ngram_embedding
         result["patched_backend"] = type(embedding).__name__

@@ -5,7 +5,7 @@ Usage: python ple_equivalence.py DEVICE RENDERED_DIR RESULT_JSON SNAPSHOT=TABLE_
 Builds vLLM 0.33.0's own `Qwen4ExpNGramEmbedding` from a synthetic checkpoint twice, loading
 its weights through vLLM's own safetensors iterator: with the stock device backend (rows loaded
 into a tensor), and with the rendered patch files laid over the package (as the bind mounts do
-in the serving container) and VLLM_PLE_PACKED_TABLE_DIR naming the table built from the same
+in the serving container) and SPARKPLE_PLE_TABLE_DIR naming the table built from the same
 checkpoint. Each step runs as vLLM's V2 runner runs it: vLLM's own (patched)
 `Qwen4ExpModelState.prepare_inputs` builds the PLE inputs from the request state and runs the
 host step, then the forward reads the layer's device buffer. Writes what it observed, per
@@ -352,7 +352,7 @@ def compare(stock_module, patched, state_module, snapshot: Path, table_dir: Path
     def shard_reads(layer) -> int:
         return sum(".ngram_embedding.shard_" in name for name in layer.materialized)
 
-    os.environ.pop("VLLM_PLE_PACKED_TABLE_DIR", None)
+    os.environ.pop("SPARKPLE_PLE_TABLE_DIR", None)
     stock_layers = {
         k: build(stock_module, config, snapshot, prefix, d)[0] for k, d in dtypes.items()
     }
@@ -378,7 +378,7 @@ def compare(stock_module, patched, state_module, snapshot: Path, table_dir: Path
     result["ngram_trials"] = 50
     result["ngram_mismatched"] = mismatched
 
-    os.environ["VLLM_PLE_PACKED_TABLE_DIR"] = str(table_dir)
+    os.environ["SPARKPLE_PLE_TABLE_DIR"] = str(table_dir)
     patched_built = {k: build(patched, config, snapshot, prefix, d) for k, d in dtypes.items()}
     patched_layers = {k: layer for k, (layer, _) in patched_built.items()}
     result["patched_module_file"] = patched.__file__
@@ -501,18 +501,18 @@ def compare(stock_module, patched, state_module, snapshot: Path, table_dir: Path
         layer.ngram_embedding.close()
 
     # the patched files without the env var: vLLM's own backend, as before
-    os.environ.pop("VLLM_PLE_PACKED_TABLE_DIR")
+    os.environ.pop("SPARKPLE_PLE_TABLE_DIR")
     unset, _ = build(patched, config, snapshot, prefix, torch.float32)
     result["patched_unset_backend"] = type(unset.ngram_embedding).__name__
     result["patched_unset_shard_tensors_read"] = shard_reads(unset)
     # a directory that holds no table: a clear error, no silent fallback
-    os.environ["VLLM_PLE_PACKED_TABLE_DIR"] = str(snapshot.parent / "no-table-here")
+    os.environ["SPARKPLE_PLE_TABLE_DIR"] = str(snapshot.parent / "no-table-here")
     try:
         build(patched, config, snapshot, prefix, torch.float32)
         result["missing_table_error"] = None
     except Exception as exc:
         result["missing_table_error"] = f"{type(exc).__name__}: {exc}"
-    os.environ.pop("VLLM_PLE_PACKED_TABLE_DIR")
+    os.environ.pop("SPARKPLE_PLE_TABLE_DIR")
     result["device"] = DEVICE.type
     return result
 
@@ -542,7 +542,7 @@ def failures(patched, state_module, snapshot: Path, table_dir: Path) -> dict:
         "dead_thread": (_FailingPrefetch(SystemExit()), 60.0),
     }
     seen = {}
-    os.environ["VLLM_PLE_PACKED_TABLE_DIR"] = str(table_dir)
+    os.environ["SPARKPLE_PLE_TABLE_DIR"] = str(table_dir)
     # these layers' counters stay out of the stats file the real steps' layer wrote
     stats_dir = os.environ.pop("SPARKPLE_STATS_DIR", None)
     try:
@@ -564,7 +564,7 @@ def failures(patched, state_module, snapshot: Path, table_dir: Path) -> dict:
                 }
             embedding.close()
     finally:
-        os.environ.pop("VLLM_PLE_PACKED_TABLE_DIR")
+        os.environ.pop("SPARKPLE_PLE_TABLE_DIR")
         if stats_dir is not None:
             os.environ["SPARKPLE_STATS_DIR"] = stats_dir
     return seen
@@ -596,7 +596,7 @@ def refusals(patched, snapshot: Path, table_dir: Path) -> dict:
         "v1_runner": mock.patch.dict(os.environ, {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
     }
     messages = {}
-    os.environ["VLLM_PLE_PACKED_TABLE_DIR"] = str(table_dir)
+    os.environ["SPARKPLE_PLE_TABLE_DIR"] = str(table_dir)
     try:
         for case, context in cases.items():
             with context:
@@ -614,7 +614,7 @@ def refusals(patched, snapshot: Path, table_dir: Path) -> dict:
                 except ValueError as exc:
                     messages[case] = str(exc)
     finally:
-        os.environ.pop("VLLM_PLE_PACKED_TABLE_DIR")
+        os.environ.pop("SPARKPLE_PLE_TABLE_DIR")
     return messages
 
 

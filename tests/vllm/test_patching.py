@@ -85,7 +85,7 @@ def test_render_applies_every_edit_and_check_passes(originals: Path, tmp_path: P
         assert len(entry["template_sha256"]) == 64
     assert on_disk["profile"] == PROFILE and on_disk["vllm_version"] == "0.33.0"
     assert on_disk["variables"]["step_timeout_s"] == 300.0
-    assert set(on_disk["env"]) == {"VLLM_PLE_PACKED_TABLE_DIR", "VLLM_PLE_OFFLOAD_STEP_TIMEOUT"}
+    assert set(on_disk["env"]) == {"SPARKPLE_PLE_TABLE_DIR", "SPARKPLE_PLE_STEP_TIMEOUT"}
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "model_executor", "models"]
     assert patch.check(out) == []
     # no temporary directories left beside OUT

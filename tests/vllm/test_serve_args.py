@@ -165,7 +165,7 @@ def test_engine_config_on_cpu_gets_to_the_model_config(checked: dict) -> None:
 
 
 def test_lab_server_accepts_only_vllm_flags(checked: dict) -> None:
-    lab = load_module(ROOT / "files/lab_server.py", "lab_server_flags")
+    lab = load_module(ROOT / "lab/lab_server.py", "lab_server_flags")
     flags = checked["flags"]
     for flag, kind in lab.ACCEPTED_FLAGS.items():
         assert flag in flags, f"the lab server accepts {flag}, which vLLM 0.33.0 does not know"

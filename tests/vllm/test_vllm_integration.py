@@ -35,7 +35,7 @@ def run_equivalence(vllm_venv: Path, vllm_originals: Path, work: Path, device: s
     # sparkple comes from this checkout, as the serving container's PYTHONPATH mount provides it
     # and the PLE counters go where the service mounts its stats directory
     env = {**os.environ, "PYTHONPATH": str(REPO), "SPARKPLE_STATS_DIR": str(work / "stats")}
-    env.pop("VLLM_PLE_PACKED_TABLE_DIR", None)
+    env.pop("SPARKPLE_PLE_TABLE_DIR", None)
     args = [str(vllm_venv), str(SCRIPT), device, str(rendered), str(result_path), *cases]
     proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=work)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -191,7 +191,7 @@ def test_unservable_settings_are_refused_by_name(results: dict) -> None:
     assert "--prefill-context-parallel-size 2" in refusals["prefill_context_parallel"]
     assert "VLLM_USE_V2_MODEL_RUNNER=0" in refusals["v1_runner"]
     for message in refusals.values():
-        assert "unset VLLM_PLE_PACKED_TABLE_DIR" in message
+        assert "unset SPARKPLE_PLE_TABLE_DIR" in message
 
 
 def test_gather_failures_end_the_step_with_an_exception(results: dict) -> None:

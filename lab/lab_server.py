@@ -5,7 +5,7 @@ place of the image's entrypoint so that the service, its bind mounts, its health
 the operations units are exercised for real. Like vLLM's OpenAI server it is two processes:
 
 - the engine (a child process) checks the patched vLLM files mounted over the image's own
-  against their manifest, opens the packed PLE table named by VLLM_PLE_PACKED_TABLE_DIR
+  against their manifest, opens the packed PLE table named by SPARKPLE_PLE_TABLE_DIR
   through `sparkple.table` (the package bind-mounted read-only, as for vLLM) with the geometry
   of the mounted model's config.json, then serves completions on a unix socket: the prompt's
   UTF-8 bytes become token ids, their PLE rows are looked up in the table (row ids from
@@ -219,9 +219,9 @@ def engine_main(model_dir: Path, socket_path: str, ready: Connection) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         patches = check_patches()
-        table_dir = os.environ.get("VLLM_PLE_PACKED_TABLE_DIR", "")
+        table_dir = os.environ.get("SPARKPLE_PLE_TABLE_DIR", "")
         if not table_dir:
-            raise SparkpleError("VLLM_PLE_PACKED_TABLE_DIR is not set")
+            raise SparkpleError("SPARKPLE_PLE_TABLE_DIR is not set")
         server = EngineServer(socket_path, Engine(model_dir, Path(table_dir)))
     except (SparkpleError, OSError, KeyError, ValueError) as exc:
         ready.send({"problem": f"{type(exc).__name__}: {exc}"})
