@@ -3,7 +3,7 @@
 The patched vLLM backend counts its work in a `PLEStats` and a `StatsFile` writes the counters to
 `<dir>/ple-stats-<pid>.json` (one file per process, written atomically: temp file + rename), where
 `<dir>` is `$SPARKPLE_STATS_DIR`, a directory bind-mounted from the host. On the host,
-files/ple_metrics.py turns the files into Prometheus metrics.
+sparkple.ops.metrics turns the files into Prometheus metrics.
 
 File format (version 1), one JSON object:
   format           "sparkple-ple-stats"
@@ -27,12 +27,12 @@ import bisect
 import contextlib
 import json
 import os
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from .atomicfile import write_text
 from .errors import SparkpleError
 
 FORMAT = "sparkple-ple-stats"
@@ -137,18 +137,8 @@ class StatsFile:
         return cls(directory, stats) if directory else None
 
     def write(self) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
         text = json.dumps(self.stats.snapshot(), separators=(",", ":"))
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".ple-stats-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        write_text(self.path, text, 0o644, durable=False)  # rewritten every few seconds
 
     def start(self, interval_s: float = 5.0) -> None:
         """Rewrite the file every `interval_s` on a daemon thread (also while idle, so readers
