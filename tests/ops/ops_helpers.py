@@ -1,4 +1,4 @@
-"""Helpers for the operations tests: they run the real host-side programs from files/ as
+"""Helpers for the operations tests: they run the real host-side programs (sparkple.ops) as
 subprocesses against real processes, real HTTP servers and the real /proc."""
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FILES = ROOT / "files"
 LAB = ROOT / "lab"  # the lab stand-in for vLLM (never shipped to a Spark)
 STANDIN = Path(__file__).with_name("standin.py")
-sys.path.insert(0, str(FILES))  # the modules the programs import (ple_state, ...)
+# The programs run from this checkout's package, as a host runs them from the installed copy
+# (PYTHONPATH=<package dir> python3 -m sparkple.ops.<program>).
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 
 def meminfo_mib(field: str) -> int:
@@ -27,7 +28,8 @@ def meminfo_mib(field: str) -> int:
 
 
 def program(name: str, *args: object) -> list[str]:
-    return [sys.executable, str(FILES / name), *map(str, args)]
+    """The command line of host program `name` (a module of sparkple.ops)."""
+    return [sys.executable, "-m", f"sparkple.ops.{name}", *map(str, args)]
 
 
 def above_real_memory() -> int:
@@ -38,7 +40,7 @@ def above_real_memory() -> int:
 def watchdog_cmd(state: Path, *args: object, interval_s: float) -> list[str]:
     """The watchdog with its state in `state` and the archived logs beside it."""
     return program(
-        "ple_watchdog.py",
+        "watchdog",
         "--state-dir", state,
         "--log-dir", state.parent / "logs",
         "--interval-s", interval_s,

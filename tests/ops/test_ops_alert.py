@@ -9,7 +9,8 @@ import time
 
 import pytest
 from ops_helpers import above_real_memory, wait_for, watchdog_cmd
-from ple_alert import Alerter
+
+from sparkple.ops.alert import Alerter
 
 
 @pytest.fixture

@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 from ops_helpers import ROOT, program
-from ple_metrics import block_device, resident_pages
-from ple_state import SUPERVISOR_STATES
 
+from sparkple.ops.metrics import block_device
+from sparkple.ops.state import SUPERVISOR_STATES
+from sparkple.pagecache import file_resident_pages
 from sparkple.stats import PLEStats, StatsFile
+from sparkple.tablemeta import FORMAT_VERSION, SourceFingerprint, TableMeta
 
 ROW = 90
 TABLE_BYTES = 16 * 1024 * 1024 - (16 * 1024 * 1024) % ROW  # whole rows, about 16 MiB
@@ -36,7 +38,7 @@ def parse(text: str) -> dict[str, float]:
 
 def collect(out: Path, *args: object) -> dict[str, float]:
     done = subprocess.run(
-        program("ple_metrics.py", "--out", out, *args), capture_output=True, text=True, timeout=60
+        program("metrics", "--out", out, *args), capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
     return parse(out.read_text())
@@ -53,9 +55,20 @@ def table(tmp_path: Path) -> Path:
         f.flush()
         os.fsync(f.fileno())
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    meta = {"format_version": 1, "data_file": data.name, "data_bytes": TABLE_BYTES}
-    (table_dir / "table.json").write_text(json.dumps(meta))
-    resident, total = resident_pages(data)
+    rows = TABLE_BYTES // ROW
+    meta = TableMeta(
+        format_version=FORMAT_VERSION, data_file=data.name, data_bytes=TABLE_BYTES,
+        quant="nvfp4", ple_prefix="model.ple", vllm_param="ple",
+        total_rows=rows, rows_per_shard=rows, shards=1, num_heads=1, head_dim=2 * (ROW - 10),
+        head_sizes=[rows], head_offsets=[0], ngram_size=2, heads_per_ngram=1, eos_token_id=0,
+        vocab_size=rows, multipliers=[1],
+        row_width=ROW, codes_width=ROW - 10, scales_width=10, codes_dtype="uint8",
+        scales_dtype="float8_e4m3fn", global_scale=1.0,
+        source=SourceFingerprint(snapshot_id="test", files=[], index_sha256=""),
+        builder_version="test", built_at="",
+    )  # fmt: skip
+    (table_dir / "table.json").write_text(meta.to_json())
+    resident, total = file_resident_pages(data)
     if resident > total // 20:
         pytest.skip(f"{data} stays in the page cache after DONTNEED (tmpfs?): cannot go cold")
     return table_dir
@@ -176,7 +189,7 @@ def test_stats_written_by_sparkple_stats_are_read_and_merged(tmp_path):
 
     out = tmp_path / "m.prom"
     done = subprocess.run(
-        program("ple_metrics.py", "--out", out, "--stats-dir", stats_dir),
+        program("metrics", "--out", out, "--stats-dir", stats_dir),
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 0 and "ple-stats-4.json: unreadable" in done.stderr
@@ -199,7 +212,7 @@ def test_missing_sources_drop_only_their_metrics(tmp_path):
     out = tmp_path / "m.prom"
     done = subprocess.run(
         program(
-            "ple_metrics.py", "--out", out,
+            "metrics", "--out", out,
             "--table-dir", tmp_path / "no-table",
             "--pid", 2**22 + 1,
         ),
@@ -213,7 +226,7 @@ def test_missing_sources_drop_only_their_metrics(tmp_path):
 
 def test_the_output_must_be_a_prom_file(tmp_path):
     done = subprocess.run(
-        program("ple_metrics.py", "--out", tmp_path / "m.txt"),
+        program("metrics", "--out", tmp_path / "m.txt"),
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 2 and ".prom" in done.stderr
@@ -233,9 +246,9 @@ def test_a_slow_reader_never_sees_a_partial_file(tmp_path):
 
 
 def test_every_supervisor_state_has_a_gauge():
-    """The metrics export one gauge per state in ple_state.SUPERVISOR_STATES: every state the
-    supervisor writes must be there, or its gauges all read 0 while it is in it."""
-    source = (ROOT / "files" / "ple_supervisor.py").read_text()
+    """The metrics export one gauge per state in sparkple.ops.state.SUPERVISOR_STATES: every
+    state the supervisor writes must be there, or its gauges all read 0 while it is in it."""
+    source = (ROOT / "sparkple" / "ops" / "supervisor.py").read_text()
     written = set(re.findall(r"""(?:state=|"state": |\["state"\] = )"([a-z-]+)\"""", source))
     assert {"starting", "running", "reset"} <= written  # the pattern finds all three spellings
     assert written <= set(SUPERVISOR_STATES)

@@ -17,7 +17,7 @@ def probe(state, standin, *args: object, env: dict | None = None) -> subprocess.
     """One probe run against the stand-in; its instance id is the front's pid while it runs."""
     pidfile = standin.dir / "front.pid"
     argv = program(
-        "ple_probe.py",
+        "probe",
         "--state-dir", state,
         "--url", standin.url,
         "--generation-timeout-s", 0.5,

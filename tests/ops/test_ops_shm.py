@@ -27,7 +27,7 @@ def prefix():
 
 def shm(prefix: str, *args: str) -> tuple[int, dict]:
     done = subprocess.run(
-        program("ple_shm.py", "--patterns", f"{prefix}*", *args),
+        program("shm", "--patterns", f"{prefix}*", *args),
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     return done.returncode, json.loads(done.stdout)

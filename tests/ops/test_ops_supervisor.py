@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 from ops_helpers import (
-    FILES,
     above_real_memory,
     markers,
     output,
@@ -21,7 +20,8 @@ from ops_helpers import (
     wait_for,
     watchdog_cmd,
 )
-from ple_state import count_markers, read_markers, write_marker
+
+from sparkple.ops.state import count_markers, read_markers, write_marker
 
 BASE = 0.5
 SHM = Path("/dev/shm")
@@ -29,7 +29,7 @@ SHM = Path("/dev/shm")
 
 def supervisor(state, service, *args: object) -> list[str]:
     return program(
-        "ple_supervisor.py", "run",
+        "supervisor", "run",
         "--state-dir", state,
         "--check-cmd", service.cmd("is-active"),
         "--start-cmd", service.cmd("start"),
@@ -97,7 +97,7 @@ def test_relaunch_with_backoff_until_the_breaker_opens_then_reset(tmp_path, stan
     assert not standin.active()
     assert sup_state(state)["state"] == "breaker-open"
     shown = subprocess.run(
-        program("ple_supervisor.py", "status", "--state-dir", state),
+        program("supervisor", "status", "--state-dir", state),
         capture_output=True, text=True, timeout=20,
     )  # fmt: skip
     assert shown.returncode == 0 and "supervisor: breaker-open" in shown.stdout
@@ -107,9 +107,7 @@ def test_relaunch_with_backoff_until_the_breaker_opens_then_reset(tmp_path, stan
     wd.terminate()
     wd.wait(5)
     reset_at = time.time()
-    subprocess.run(
-        program("ple_supervisor.py", "reset", "--state-dir", state), check=True, timeout=20
-    )
+    subprocess.run(program("supervisor", "reset", "--state-dir", state), check=True, timeout=20)
     wait_for(lambda: sup_state(state).get("state") == "running", 10, "running after reset")
     assert standin.active()
     after = [r for r in events(state, "relaunch") if r["time"] >= reset_at]
@@ -145,8 +143,7 @@ def test_a_start_failed_by_an_emergency_stop_is_not_a_launch_failure(tmp_path, s
     script.write_text(
         "import sys, time\n"
         "from pathlib import Path\n"
-        f"sys.path.insert(0, {str(FILES)!r})\n"
-        "from ple_state import write_marker\n"
+        "from sparkple.ops.state import write_marker\n"
         f"write_marker(Path({str(state)!r}), 'emergency', time.time(), {{'reason': 'test'}})\n"
         "sys.exit(1)\n"
     )
@@ -201,15 +198,13 @@ def test_a_service_that_dies_right_after_launch_counts_as_a_failed_launch(tmp_pa
 def test_manual_stop_flag_is_respected(tmp_path, standin, procs):
     state = tmp_path / "state"
     subprocess.run(
-        program("ple_supervisor.py", "manual-stop", "--state-dir", state), check=True, timeout=20
+        program("supervisor", "manual-stop", "--state-dir", state), check=True, timeout=20
     )
     procs(supervisor(state, standin, "--backoff-base-s", 0.1))
     wait_for(lambda: sup_state(state).get("state") == "manual-stop", 10, "manual-stop state")
     time.sleep(1.0)
     assert not standin.active() and events(state, "relaunch") == []
-    subprocess.run(
-        program("ple_supervisor.py", "resume", "--state-dir", state), check=True, timeout=20
-    )
+    subprocess.run(program("supervisor", "resume", "--state-dir", state), check=True, timeout=20)
     wait_for(lambda: sup_state(state).get("state") == "running", 10, "relaunch after resume")
     assert standin.active()
 
@@ -222,7 +217,7 @@ def test_maintenance_relaunch_drains_and_restarts_without_a_down_event(tmp_path,
     before = standin.pid("front")
     done = subprocess.run(
         program(
-            "ple_supervisor.py", "relaunch",
+            "supervisor", "relaunch",
             "--state-dir", state,
             "--check-cmd", standin.cmd("is-active"),
             "--start-cmd", standin.cmd("start"),
@@ -363,7 +358,7 @@ def test_a_stop_under_the_manual_stop_flag_is_no_failure(tmp_path, standin, proc
     standin.start()
     procs(supervisor(state, standin, "--backoff-base-s", 0.1, "--url", standin.url))
     wait_for(lambda: sup_state(state).get("state") == "running", 10, "running")
-    sup = ["ple_supervisor.py"]
+    sup = ["supervisor"]
     subprocess.run(
         program(*sup, "manual-stop", "--state-dir", state, "--reason", "rollout"),
         check=True, timeout=20,
@@ -386,7 +381,7 @@ def test_maintenance_relaunch_ends_with_a_smoke_generation(tmp_path, standin, pr
     wait_for(lambda: sup_state(state).get("state") == "running", 10, "running")
     done = subprocess.run(
         program(
-            "ple_supervisor.py", "relaunch",
+            "supervisor", "relaunch",
             "--state-dir", state,
             "--check-cmd", standin.cmd("is-active"),
             "--start-cmd", standin.cmd("start"),
@@ -422,7 +417,7 @@ def test_daily_heartbeat_carries_the_status_line_with_kernel_error_counts(
     time.sleep(0.5)
     assert len([a for a in got if a["event"] == "heartbeat"]) == 1, "once a day, not every poll"
     shown = subprocess.run(
-        program("ple_supervisor.py", "status", "--state-dir", state, "--kmsg", kmsg),
+        program("supervisor", "status", "--state-dir", state, "--kmsg", kmsg),
         capture_output=True, text=True, timeout=20,
     )  # fmt: skip
     assert "kernel log: Xid 2, NV_ERR_NO_MEMORY 1" in shown.stdout, shown.stdout

@@ -1,4 +1,4 @@
-"""Live kernel tunables applied and given back (kernel_tuning's ple_sysctl.py), against a real
+"""Live kernel tunables applied and given back (kernel_tuning's sparkple.ops.sysctl), against a real
 directory tree shaped like /proc/sys (the real one is not writable from a test or a container)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def proc_sys(tmp_path: Path) -> Path:
 
 def run(proc_sys: Path, state: Path, *args: str) -> tuple[int, dict, str]:
     done = subprocess.run(
-        program("ple_sysctl.py", *args, "--state", state, "--proc-sys", proc_sys),
+        program("sysctl", *args, "--state", state, "--proc-sys", proc_sys),
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     return done.returncode, json.loads(done.stdout) if done.stdout.strip() else {}, done.stderr
@@ -73,7 +73,7 @@ def test_a_value_that_cannot_be_restored_says_reboot_needed(proc_sys, tmp_path):
 
 def test_bad_pairs_are_usage_errors(proc_sys, tmp_path):
     done = subprocess.run(
-        program("ple_sysctl.py", "apply", "vm.min_free_kbytes", "--state", tmp_path / "s"),
+        program("sysctl", "apply", "vm.min_free_kbytes", "--state", tmp_path / "s"),
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert done.returncode != 0 and "is not KEY=VALUE" in done.stderr

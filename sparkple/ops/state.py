@@ -18,11 +18,11 @@ import contextlib
 import datetime as dt
 import fcntl
 import json
-import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from ..atomicfile import write_text
 
 MARKERS = "markers"
 # Markers that record an incident: a memory emergency stop, a server stopped by the probe
@@ -52,30 +52,8 @@ def iso(t: float) -> str:
     return dt.datetime.fromtimestamp(t, dt.UTC).isoformat(timespec="seconds")
 
 
-def atomic_write_text(path: Path, text: str, mode: int = 0o644, *, durable: bool = True) -> None:
-    """Write `text` to `path` so readers see the old or the new content, never a part.
-
-    durable: fsync before the rename, so the content also survives a crash of the host;
-    a status file rewritten every few seconds skips it.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 def write_json(path: Path, obj: Any, *, durable: bool = True) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n", durable=durable)
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n", durable=durable)
 
 
 def read_json(path: Path, default: Any) -> Any:

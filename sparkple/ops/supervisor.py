@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Supervisor: relaunch the serving unit with backoff, and know when to stop trying.
 
 The serving unit has no restart policy of its own; this loop owns relaunching it:
@@ -35,13 +34,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ple_alert import Alerter
-from ple_host import KMSG, kernel_error_counts, run_command
-from ple_probe import Client, check_generation, read_env_file
-from ple_shm import DEFAULT_PATTERNS, clean_unheld
-from ple_state import (
+from ..atomicfile import write_text
+from .alert import Alerter
+from .host import KMSG, kernel_error_counts, run_command
+from .probe import Client, check_generation, read_env_file
+from .shm import DEFAULT_PATTERNS, clean_unheld
+from .state import (
     INCIDENT_KINDS,
-    atomic_write_text,
     iso,
     locked,
     manual_stop_path,
@@ -601,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
         # Under the loop's lock: a check in progress finishes first, the next one sees the flag.
         with locked(args.state_dir / "supervisor.lock"):
             if args.command == "manual-stop":
-                atomic_write_text(
+                write_text(
                     manual_stop_path(args.state_dir), f"set {iso(time.time())} by {args.reason}\n"
                 )
             else:

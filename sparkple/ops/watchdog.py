@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Memory watchdog: stop the serving container before unified memory runs out.
 
 On a DGX Spark, running out of unified memory hangs the host without an OOM kill, so this
@@ -24,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ple_alert import Alerter
-from ple_host import read_meminfo, run_command
-from ple_state import iso, update_json, utc_stamp, write_json, write_marker
+from .alert import Alerter
+from .host import read_meminfo, run_command
+from .state import iso, update_json, utc_stamp, write_json, write_marker
 
 MIB = 1024 * 1024
 MCL_CURRENT, MCL_FUTURE = 1, 2

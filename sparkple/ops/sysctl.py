@@ -1,46 +1,27 @@
-#!/usr/bin/env python3
 """Apply kernel tunables live and give back the values they replaced (kernel_tuning).
 
 A sysctl file only sets values: removing a key from it leaves the live value as it was until a
 reboot. This records, per key, the live value before the first time sparkple changed it, in a
 JSON state file, so that turning a tunable off restores the host's own value at once:
 
-  ple_sysctl.py apply   --state F KEY=VALUE ...   record what each key held, then set it
-  ple_sysctl.py restore --state F [--check]       put every recorded key back, forget it
-  ple_sysctl.py status  --state F                 print the state and the live values
+  sysctl apply   --state F KEY=VALUE ...   record what each key held, then set it
+  sysctl restore --state F [--check]       put every recorded key back, forget it
+  sysctl status  --state F                 print the state and the live values
 
 Each command prints one JSON object ({"changed": [...], ...}); `--check` (and `status`) only
 says what would change. A value that cannot be written back, or does not read back as written,
 ends with "reboot needed" and exit status 1, and stays recorded for the next try.
-Standard library only and self-contained (Ansible's script module runs it on the host).
+Standard library only (kernel_tuning runs it with the host's python3).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
-
-def read_json_object(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def write_json(path: Path, obj: dict) -> None:
-    """Atomically, and durably: the recorded values must survive a crash right after a write."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+from .state import read_json_object, write_json
 
 
 def key_path(proc_sys: Path, key: str) -> Path:

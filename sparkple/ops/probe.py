@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Health probe: /health and a real 16-token generation, run once per timer tick.
 
 What the answers mean for vLLM, and what the probe does (state in <state-dir>/probe.json):
@@ -30,9 +29,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ple_alert import Alerter
-from ple_host import run_command
-from ple_state import iso, manual_stop_path, read_json_object, update_json, write_json, write_marker
+from .alert import Alerter
+from .host import run_command
+from .state import iso, manual_stop_path, read_json_object, update_json, write_json, write_marker
 
 
 def log(message: str) -> None:

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """PLE metrics for node_exporter's textfile collector, written atomically.
 
 One run collects:
@@ -14,43 +13,41 @@ One run collects:
 A source that is missing only drops its metrics (and says so on stderr); the file is still
 written, so one broken source never blanks the rest.
 
-Standard library only: this runs on the host's system Python, where the sparkple package is not
-importable, so the stats-file reader below is self-contained; tests check it against the writer
-in sparkple/stats.py.
+Standard library only: this runs on the host's system Python, with the package's own table
+metadata, page-cache and stats-file readers.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import json
-import mmap
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from ple_host import kernel_error_counts, read_meminfo, run_command
-from ple_state import (
+from .. import stats
+from ..atomicfile import write_text
+from ..errors import TableError
+from ..pagecache import PAGE_SIZE, file_resident_pages
+from ..tablemeta import read_meta
+from .host import kernel_error_counts, read_meminfo, run_command
+from .state import (
     INCIDENT_KINDS,
     SUPERVISOR_STATES,
-    atomic_write_text,
     count_markers,
     manual_stop_path,
     read_json_object,
 )
 
 PREFIX = "sparkple_"
-STATS_FORMAT, STATS_VERSION = "sparkple-ple-stats", 1
-STATS_COUNTERS = {
+STATS_HELP = {
     "rows_gathered": "rows copied into staging by the gather worker",
     "gather_calls": "gather batches",
     "pages_prefetched": "table pages covered by WILLNEED prefetch advice",
     "prefetch_calls": "prefetch batches",
     "staging_overruns": "batches that did not fit the staging buffer",
 }
-MINCORE_WINDOW = 1 << 30  # map and check the table 1 GiB at a time
 
 
 def warn(message: str) -> None:
@@ -108,56 +105,6 @@ def collect_memory(out: Exposition) -> None:
 
 
 # -- the table --------------------------------------------------------------------------------
-def table_data_path(table_dir: Path) -> tuple[Path, int]:
-    """The data file named by table.json and its expected size (see sparkple/tablemeta.py)."""
-    meta_path = table_dir / "table.json"
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        name, size = meta["data_file"], int(meta["data_bytes"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{meta_path}: no published table ({exc})") from exc
-    if not isinstance(name, str) or "/" in name:
-        raise ValueError(f"{meta_path}: data_file must be a file name in the table dir")
-    return table_dir / name, size
-
-
-def resident_pages(path: Path) -> tuple[int, int]:
-    """(resident pages, total pages) of `path` in the page cache, from mincore(2)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    page = mmap.PAGESIZE
-    odd = bytes(i & 1 for i in range(256))  # only bit 0 of each mincore byte is defined
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        resident = 0
-        for offset in range(0, size, MINCORE_WINDOW):
-            length = min(MINCORE_WINDOW, size - offset)
-            addr = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
-            if addr in (None, ctypes.c_void_p(-1).value):
-                raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
-            try:
-                vec = ctypes.create_string_buffer((length + page - 1) // page)
-                if libc.mincore(addr, length, vec) != 0:
-                    raise OSError(ctypes.get_errno(), f"mincore on {path} failed")
-                resident += vec.raw.translate(odd).count(1)
-            finally:
-                libc.munmap(addr, length)
-        return resident, (size + page - 1) // page
-    finally:
-        os.close(fd)
-
-
 def block_device(path: Path) -> str | None:
     """The kernel name of the block device (partition) holding `path`, if it has one."""
     st_dev = path.stat().st_dev
@@ -175,20 +122,26 @@ def disk_read_bytes(device: str) -> int | None:
 
 def collect_table(out: Exposition, table_dir: Path, device_override: str) -> None:
     try:
-        data_path, expected = table_data_path(table_dir)
-        resident, total = resident_pages(data_path)
-    except (ValueError, OSError) as exc:
-        warn(f"table metrics skipped: {exc}")
+        meta = read_meta(table_dir)
+        data_path, expected = meta.data_path(table_dir), meta.data_bytes
+        resident, total = file_resident_pages(data_path)
+    except TableError as exc:
+        skipped = f"no published table ({exc})"
+    except OSError as exc:
+        skipped = str(exc)
+    else:
+        skipped = ""
+    if skipped:
+        warn(f"table metrics skipped: {skipped}")
         out.metric("ple_table_published", "gauge", "1 when table.json names a table.", 0)
         return
     out.metric("ple_table_published", "gauge", "1 when table.json names a table.", 1)
     out.metric("ple_table_size_bytes", "gauge", "Size of the PLE table data file.", expected)
-    page = mmap.PAGESIZE
     out.metric(
         "ple_table_resident_bytes",
         "gauge",
         "PLE table bytes in the page cache (mincore).",
-        min(resident * page, expected),
+        min(resident * PAGE_SIZE, expected),
     )
     out.metric(
         "ple_table_resident_ratio",
@@ -271,18 +224,9 @@ def read_stats_dir(stats_dir: Path, max_age_s: float, now: float) -> list[dict[s
     docs = []
     for path in sorted(stats_dir.glob("ple-stats-*.json")):
         try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
+            doc = stats.parse(path.read_text(encoding="utf-8"))
+        except (OSError, stats.StatsFormatError) as exc:
             warn(f"{path}: unreadable ({exc}); skipped")
-            continue
-        if not (
-            isinstance(doc, dict)
-            and doc.get("format") == STATS_FORMAT
-            and doc.get("version") == STATS_VERSION
-            and isinstance(doc.get("counters"), dict)
-            and isinstance(doc.get("handshake_wait_seconds"), dict)
-        ):
-            warn(f"{path}: not a version {STATS_VERSION} PLE stats file; skipped")
             continue
         updated = doc.get("updated_at")
         if not isinstance(updated, int | float) or now - updated > max_age_s:
@@ -296,7 +240,8 @@ def collect_stats(out: Exposition, stats_dir: Path, max_age_s: float) -> None:
     out.metric("ple_stats_writers", "gauge", "Processes writing fresh PLE stats.", len(docs))
     if not docs:
         return
-    for name, help_text in STATS_COUNTERS.items():
+    for name in stats.COUNTERS:
+        help_text = STATS_HELP[name]
         total = sum(int(d["counters"].get(name, 0)) for d in docs)
         out.metric(
             f"ple_{name}_total", "counter", help_text[0].upper() + help_text[1:] + ".", total
@@ -394,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         round(time.monotonic() - started, 6),
     )
     try:
-        atomic_write_text(args.out, out.text())
+        write_text(args.out, out.text())
     except OSError as exc:
         warn(f"cannot write {args.out}: {exc}")
         return 1

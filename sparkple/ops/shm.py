@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Shared-memory cleanup after the serving engine stopped (stop.yml, and the supervisor before
 every relaunch).
 

@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ple_state import iso, locked, read_json_object, write_json
+from .state import iso, locked, read_json_object, write_json
 
 ENV_URL = "PLE_ALERT_URL"
 
