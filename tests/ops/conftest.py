@@ -6,11 +6,12 @@ import http.server
 import json
 import subprocess
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from ops_helpers import Standin
+from ops_helpers import SHM, Standin
 from standin import free_port
 
 
@@ -67,3 +68,14 @@ def receiver():
     yield f"http://127.0.0.1:{server.server_address[1]}/hook", got
     server.shutdown()
     server.server_close()
+
+
+@pytest.fixture
+def shm_prefix() -> Iterator[str]:
+    """A per-test name prefix for POSIX shm segments; whatever carries it is removed after."""
+    if not SHM.is_dir():
+        pytest.skip("no /dev/shm on this machine")
+    name = f"sparkple-test-{uuid.uuid4().hex[:8]}-"
+    yield name
+    for leftover in SHM.glob(name + "*"):
+        leftover.unlink()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 LAB = ROOT / "lab"  # the lab stand-in for vLLM (never shipped to a Spark)
+SHM = Path("/dev/shm")  # POSIX shared memory, where --ipc host engines leave segments
 STANDIN = Path(__file__).with_name("standin.py")
 # The programs run from this checkout's package, as a host runs them from the installed copy
 # (PYTHONPATH=<package dir> python3 -m sparkple.ops.<program>).

@@ -6,23 +6,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import uuid
-from pathlib import Path
 
 import pytest
-from ops_helpers import program
-
-SHM = Path("/dev/shm")
-
-
-@pytest.fixture
-def prefix():
-    if not SHM.is_dir():
-        pytest.skip("no /dev/shm on this machine")
-    name = f"sparkple-test-{uuid.uuid4().hex[:8]}-"
-    yield name
-    for leftover in SHM.glob(name + "*"):
-        leftover.unlink()
+from ops_helpers import SHM, program
 
 
 def shm(prefix: str, *args: str) -> tuple[int, dict]:
@@ -44,8 +30,8 @@ sys.stdin.read()
 
 
 @pytest.mark.parametrize("how", ["mapped", "open"])
-def test_held_segments_are_never_removed(prefix, how):
-    held, free = SHM / f"{prefix}psm_a", SHM / f"{prefix}psm_b"
+def test_held_segments_are_never_removed(shm_prefix, how):
+    held, free = SHM / f"{shm_prefix}psm_a", SHM / f"{shm_prefix}psm_b"
     for seg in (held, free):
         seg.write_bytes(b"\0" * 4096)
     # mapped: the file descriptor is closed, only the mapping holds it
@@ -55,22 +41,22 @@ def test_held_segments_are_never_removed(prefix, how):
     )
     try:
         assert holder.stdout.readline().strip() == b"holding"
-        rc, report = shm(prefix, "--remove")
+        rc, report = shm(shm_prefix, "--remove")
         assert rc == 1 and report["removed"] == []
         assert report["held"] == {str(held): [holder.pid]}
         assert held.exists() and free.exists(), "nothing is removed while any is held"
     finally:
         holder.stdin.close()
         holder.wait(10)
-    rc, report = shm(prefix, "--remove")
+    rc, report = shm(shm_prefix, "--remove")
     assert rc == 0 and sorted(report["removed"]) == sorted([str(held), str(free)])
     assert report["bytes_freed"] == 8192
     assert not held.exists() and not free.exists()
 
 
-def test_listing_removes_nothing(prefix):
-    seg = SHM / f"{prefix}x"
+def test_listing_removes_nothing(shm_prefix):
+    seg = SHM / f"{shm_prefix}x"
     seg.write_bytes(b"1")
-    rc, report = shm(prefix)
+    rc, report = shm(shm_prefix)
     assert rc == 0 and report["segments"] == [{"path": str(seg), "bytes": 1}]
     assert seg.exists() and report["removed"] == []

@@ -7,11 +7,10 @@ import shlex
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
-import pytest
 from ops_helpers import (
+    SHM,
     above_real_memory,
     markers,
     output,
@@ -24,7 +23,6 @@ from ops_helpers import (
 from sparkple.ops.state import count_markers, read_markers, write_marker
 
 BASE = 0.5
-SHM = Path("/dev/shm")
 
 
 def supervisor(state, service, *args: object) -> list[str]:
@@ -209,28 +207,34 @@ def test_manual_stop_flag_is_respected(tmp_path, standin, procs):
     assert standin.active()
 
 
-def test_maintenance_relaunch_drains_and_restarts_without_a_down_event(tmp_path, standin, procs):
-    state = tmp_path / "state"
-    standin.start()
-    procs(supervisor(state, standin))
-    wait_for(lambda: sup_state(state).get("state") == "running", 10, "running")
-    before = standin.pid("front")
-    done = subprocess.run(
+def relaunch(state: Path, standin, *extra) -> subprocess.CompletedProcess:
+    """`supervisor relaunch` (the weekly drain and relaunch) of the stand-in service."""
+    return subprocess.run(
         program(
             "supervisor", "relaunch",
             "--state-dir", state,
             "--check-cmd", standin.cmd("is-active"),
             "--start-cmd", standin.cmd("start"),
             "--stop-cmd", standin.cmd("stop"),
-            "--drain-metrics-url", standin.url + "/metrics",
-            "--drain-timeout-s", 5,
+            *extra,
         ),
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
+
+
+def test_maintenance_relaunch_drains_and_restarts_without_a_down_event(tmp_path, standin, procs):
+    state = tmp_path / "state"
+    standin.start()
+    procs(supervisor(state, standin))
+    wait_for(lambda: sup_state(state).get("state") == "running", 10, "running")
+    before = standin.pid("front")
+    done = relaunch(
+        state, standin, "--drain-metrics-url", standin.url + "/metrics", "--drain-timeout-s", 5
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert standin.active() and standin.pid("front") != before
-    relaunch = events(state, "maintenance-relaunch")
-    assert len(relaunch) == 1 and relaunch[0]["drained"] is True
+    relaunched = events(state, "maintenance-relaunch")
+    assert len(relaunched) == 1 and relaunched[0]["drained"] is True
     time.sleep(0.5)
     assert events(state, "down") == [] and sup_state(state)["state"] == "running"
 
@@ -303,16 +307,6 @@ def test_stable_means_healthy_for_stable_s_not_merely_up(tmp_path, standin, proc
 # ------------------------------------------------------------------ shared memory
 
 
-@pytest.fixture
-def shm_prefix():
-    if not SHM.is_dir():
-        pytest.skip("no /dev/shm on this machine")
-    name = f"sparkple-test-{uuid.uuid4().hex[:8]}-"
-    yield name
-    for leftover in SHM.glob(name + "*"):
-        leftover.unlink()
-
-
 def test_leaked_shared_memory_is_removed_before_a_relaunch(tmp_path, standin, procs, shm_prefix):
     leaked = [SHM / f"{shm_prefix}psm_{i}" for i in range(3)]
     for seg in leaked:
@@ -379,18 +373,7 @@ def test_maintenance_relaunch_ends_with_a_smoke_generation(tmp_path, standin, pr
     standin.start()
     procs(supervisor(state, standin))
     wait_for(lambda: sup_state(state).get("state") == "running", 10, "running")
-    done = subprocess.run(
-        program(
-            "supervisor", "relaunch",
-            "--state-dir", state,
-            "--check-cmd", standin.cmd("is-active"),
-            "--start-cmd", standin.cmd("start"),
-            "--stop-cmd", standin.cmd("stop"),
-            "--url", standin.url,
-            "--ready-timeout-s", 10,
-        ),
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    done = relaunch(state, standin, "--url", standin.url, "--ready-timeout-s", 10)
     assert done.returncode == 0, done.stdout + done.stderr
     [smoke] = events(state, "maintenance-smoke")
     assert smoke["ok"] is True and smoke["detail"].startswith("16 tokens"), smoke
