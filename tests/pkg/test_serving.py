@@ -4,13 +4,13 @@ and the launch gate on meminfo files."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from hf_snapshot import hf_cache_snapshot
 
 from sparkple.serving import (
     GIB,
@@ -22,18 +22,9 @@ from sparkple.serving import (
     launch_gate,
     snapshot_sizes,
 )
-from sparkple.synth import synth_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 MEMTOTAL = int(119.7 * GIB)  # the README's worked example
-
-
-def load_layout():
-    path = ROOT / "roles/model_checkpoint/files/hf_cache_layout.py"
-    spec = importlib.util.spec_from_file_location("hf_cache_layout", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def sizes(snapshot_gib: float, table_gib: float, mtp_gib: float = 0.0) -> SnapshotSizes:
@@ -170,12 +161,7 @@ def test_yarn_keeps_the_checkpoints_rope_parameters() -> None:
 @pytest.fixture(scope="module")
 def hf_snapshot(tmp_path_factory) -> Path:
     """A synthetic checkpoint published in the HF cache layout (blobs + relative symlinks)."""
-    root = tmp_path_factory.mktemp("hf")
-    repo = root / "models--Mia-AiLab--Qwen3.8-Flash-Next-NVFP4"
-    (repo / "snapshots").mkdir(parents=True)
-    synth_checkpoint(repo / "snapshots" / "rev.partial", vocab_base=2048, files=3, seed=3)
-    load_layout().publish(repo / "snapshots" / "rev.partial", repo, "rev")
-    return repo / "snapshots" / "rev"
+    return hf_cache_snapshot(tmp_path_factory.mktemp("hf"), files=3, seed=3)
 
 
 def test_the_layout_is_snapshot_downloads(hf_snapshot: Path) -> None:

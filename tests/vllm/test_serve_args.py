@@ -15,9 +15,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from hf_snapshot import hf_cache_snapshot
 
 from sparkple.serving import GIB, BudgetKnobs, Recipe, plan
-from sparkple.synth import synth_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = Path(__file__).resolve().parent / "serve_args_check.py"
@@ -96,13 +96,7 @@ def assert_matches(values: dict, want: dict) -> None:
 
 @pytest.fixture(scope="module")
 def snapshot(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("serve-args")
-    repo = root / "models--Mia-AiLab--Qwen3.8-Flash-Next-NVFP4"
-    (repo / "snapshots").mkdir(parents=True)
-    synth_checkpoint(repo / "snapshots" / "rev.partial", vocab_base=2048, files=2, seed=11)
-    layout = load_module(ROOT / "roles/model_checkpoint/files/hf_cache_layout.py", "layout")
-    layout.publish(repo / "snapshots" / "rev.partial", repo, "rev")
-    return repo / "snapshots" / "rev"
+    return hf_cache_snapshot(tmp_path_factory.mktemp("serve-args"), files=2, seed=11)
 
 
 @pytest.fixture(scope="module")
