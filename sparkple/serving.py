@@ -88,16 +88,22 @@ PLE_UNSERVABLE: dict[str, tuple[str, str]] = {
 
 
 def _across_dp(arg: str, following: list[str]) -> bool:
-    """Whether an --engram-config argument turns embedding_across_dp on (JSON or dotted)."""
-    name, _, value = arg.partition("=")
-    if name == "--engram-config.embedding_across_dp":
-        return value.strip().lower() in ("", "true", "1")
-    text = value or (following[0] if following else "")
+    """Whether an --engram-config argument turns embedding_across_dp on (JSON or dotted; the
+    value inline after `=` or as the next argument; dashes or underscores in the key)."""
+    name, eq, value = arg.partition("=")
+    if not eq and following and not following[0].startswith("-"):
+        value = following[0]
+    _, _, key = name.partition(".")
+    if key:
+        on = value.strip().lower() in ("", "true", "1")
+        return key.replace("-", "_") == "embedding_across_dp" and on
     try:
-        config = json.loads(text)
+        config = json.loads(value)
     except ValueError:
         return False
-    return isinstance(config, dict) and config.get("embedding_across_dp") is True
+    if not isinstance(config, dict):
+        return False
+    return True in (config.get("embedding_across_dp"), config.get("embedding-across-dp"))
 
 
 class ServingError(SparkpleError):
@@ -313,8 +319,7 @@ class Recipe:
                 continue
             if not eq and i + 1 < len(args) and not args[i + 1].startswith("-"):
                 value = args[i + 1]
-            switch = flag in ("--enable-dbo",)
-            if switch or not value.strip().isdigit() or int(value) > 1:
+            if flag == "--enable-dbo" or not value.strip().isdigit() or int(value) > 1:
                 raise ServingError(
                     f"vllm_service_extra_args has {arg!r}: {PLE_UNSERVABLE[flag][1]}, so the "
                     "packed PLE table cannot serve it; remove it from vllm_service_extra_args"

@@ -108,6 +108,11 @@ def test_refused_when_the_container_exceeds_what_the_host_can_give() -> None:
         ({"extra_args": ("--enable-dbo",)}, "micro-batch"),
         ({"extra_args": ('--engram-config={"embedding_across_dp": true}',)}, "embedding_across_dp"),
         ({"extra_args": ("--engram-config.embedding_across_dp=true",)}, "embedding_across_dp"),
+        ({"extra_args": ("--engram-config.embedding-across-dp", "true")}, "embedding_across_dp"),
+        (
+            {"extra_args": ("--engram-config", '{"embedding_across_dp": true}')},
+            "embedding_across_dp",
+        ),
         ({"extra_args": ("--gpu_memory_utilization=0.9",)}, "the budget"),
         ({"extra_args": ("--x\n--y",)}, "no newlines"),
     ],
@@ -130,6 +135,7 @@ def test_mtp_depth_must_suit_the_checkpoints_layers() -> None:
     recipe(mtp_depth=3, extra_args=("--async-scheduling",)).check(mtp_layers=1)
     recipe(extra_args=("--tensor-parallel-size=1", "-pp", "1")).check(mtp_layers=1)
     recipe(extra_args=('--engram-config={"cpu_offload": false}',)).check(mtp_layers=1)
+    recipe(extra_args=("--engram-config.embedding_across_dp", "false")).check(mtp_layers=1)
 
 
 def test_argv_is_the_recipe() -> None:
