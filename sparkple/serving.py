@@ -55,8 +55,8 @@ PLE_SHARD_MARK = ".ple.ple_embedding.ngram_embedding.shard_"
 OWNED_FLAGS: dict[str, str] = {
     "--model": "the model path (model_checkpoint)",
     "--served-model-name": "vllm_service_served_model_name",
-    "--host": "vllm_service_host",
-    "--port": "vllm_service_port",
+    "--host": "sparkple_api_host",
+    "--port": "sparkple_api_port",
     "--max-model-len": "vllm_service_max_model_len",
     "--max-num-seqs": "vllm_service_max_num_seqs",
     "--max-num-batched-tokens": "vllm_service_max_num_batched_tokens",

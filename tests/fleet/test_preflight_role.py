@@ -34,8 +34,8 @@ def preflight(tmp_path: Path, **extra: object) -> str:
         pytest.skip("ansible-playbook is not installed (run .ci/setup-venv)")
     (tmp_path / "play.yml").write_text(PLAYBOOK)
     variables = {
-        "preflight_data_dir": str(tmp_path / "data"),
-        "preflight_service_name": "sparkple-test-no-such-unit",
+        "sparkple_data_dir": str(tmp_path / "data"),
+        "sparkple_service_name": "sparkple-test-no-such-unit",
         "ansible_python_interpreter": sys.executable,
         **extra,
     }

@@ -69,8 +69,8 @@ def site(tmp_path: Path) -> Path:
 
 def run(site: Path, action: str = "stage", **extra: str) -> tuple[dict, int]:
     variables = {
-        "release_root": str(site / "releases"),
-        "release_table_dir": str(site / "table"),
+        "sparkple_release_dir": str(site / "releases"),
+        "sparkple_table_dir": str(site / "table"),
         "release_patch_dir": str(site / "patches"),
         "release_patch_profile": "vllm-0.33",
         "release_vllm_path": "/usr/lib/python3/dist-packages/vllm",

@@ -1,0 +1,86 @@
+"""The `## Variables` table of every role's README, generated from its defaults/main.yml.
+
+Each default is documented by the comment lines right above it; the table shows the name, the
+default as written and that comment. `python3 .ci/role_docs.py` rewrites the tables;
+`--check` only reports the READMEs whose table differs (exit 1), so docs and defaults cannot drift.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+TOP_LEVEL = re.compile(r"^([a-z][a-z0-9_]*):(.*)$")
+SECTION = re.compile(r"^## Variables\n.*?(?=^## |\Z)", re.M | re.S)
+
+
+def documented_defaults(defaults: Path) -> list[tuple[str, str, str]]:
+    """(name, default as written, comment) for every top-level variable, in file order."""
+    rows: list[tuple[str, str, str]] = []
+    comment: list[str] = []
+    current: list[str] | None = None  # name, inline value, continuation lines...
+    pending: list[tuple[str, list[str], str]] = []
+    for line in defaults.read_text().splitlines():
+        match = TOP_LEVEL.match(line)
+        if match:
+            current = [match.group(1), match.group(2).strip()]
+            pending.append((match.group(1), current, " ".join(comment)))
+            comment = []
+        elif line.startswith("#"):
+            comment.append(line.lstrip("#").strip())
+            current = None
+        elif line.strip() and line != "---" and current is not None:
+            current.append(line)
+        elif not line.strip():
+            comment = []
+    for name, parts, text in pending:
+        if not text:
+            raise SystemExit(f"{defaults}: {name} has no comment line above it")
+        rows.append((name, shown_default(parts[1], parts[2:]), text))
+    return rows
+
+
+def shown_default(inline: str, more: list[str]) -> str:
+    if not more:
+        return inline
+    if inline in (">-", ">", "|", "|-"):
+        return " ".join(part.strip() for part in more)
+    value = yaml.safe_load("\n".join(["x: " + inline, *more]))["x"]
+    return yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip()
+
+
+def table(rows: list[tuple[str, str, str]]) -> str:
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    lines = ["## Variables", "", "| variable | default | meaning |", "|---|---|---|"]
+    lines += [f"| `{name}` | `{cell(value)}` | {cell(text)} |" for name, value, text in rows]
+    return "\n".join(lines) + "\n\n"
+
+
+def main(argv: list[str]) -> int:
+    check = "--check" in argv
+    stale = []
+    for defaults in sorted(ROOT.glob("roles/*/defaults/main.yml")):
+        readme = defaults.parent.parent / "README.md"
+        text = readme.read_text()
+        if not SECTION.search(text):
+            raise SystemExit(f"{readme}: no '## Variables' section to generate")
+        generated = table(documented_defaults(defaults))
+        new = SECTION.sub(lambda _, generated=generated: generated, text, count=1)
+        new = new.rstrip("\n") + "\n"
+        if new != text:
+            stale.append(readme.relative_to(ROOT))
+            if not check:
+                readme.write_text(new)
+    for path in stale:
+        print(f"{path}: Variables table {'differs from' if check else 'regenerated from'} defaults")
+    return 1 if check and stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
