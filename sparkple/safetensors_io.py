@@ -142,6 +142,18 @@ class _DuplicateKey(ValueError):
         self.key = key
 
 
+def _strict_json(raw: bytes, where: str, why: str) -> object:
+    """JSON that names no key twice (a file naming a tensor twice is corrupt or hand-edited)."""
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as exc:
+        raise CheckpointError(
+            f"{where} names {exc.key!r} twice; {why}, download it again"
+        ) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{where} is not valid JSON ({exc})") from exc
+
+
 def read_header(path: Path) -> dict[str, TensorInfo]:
     """Parse and validate one safetensors file's header (see read_header_sized)."""
     return read_header_sized(path)[0]
@@ -176,15 +188,11 @@ def read_header_sized(path: Path) -> tuple[dict[str, TensorInfo], int]:
         os.close(fd)
     if len(raw) != header_len:
         raise CheckpointError(f"{path}: the file shrank while its header was read; retry")
-    try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except _DuplicateKey as exc:
-        raise CheckpointError(
-            f"{path}: header names {exc.key!r} twice; the safetensors library refuses such a "
-            "file (it is corrupt or hand-edited), download it again"
-        ) from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: header is not valid JSON ({exc})") from exc
+    header = _strict_json(
+        raw,
+        f"{path}: header",
+        "the safetensors library refuses such a file (it is corrupt or hand-edited)",
+    )
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header must be a JSON object of tensors")
     data_start = 8 + header_len
@@ -269,15 +277,9 @@ class Snapshot:
                 "(or the download is incomplete)"
             )
         self.index_bytes = read_regular(self.index_path, "index")
-        try:
-            index = json.loads(self.index_bytes, object_pairs_hook=_no_duplicates)
-        except _DuplicateKey as exc:
-            raise CheckpointError(
-                f"{self.index_path} names {exc.key!r} twice; the index is corrupt or "
-                "hand-edited, download it again"
-            ) from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{self.index_path} is not valid JSON ({exc})") from exc
+        index = _strict_json(
+            self.index_bytes, str(self.index_path), "the index is corrupt or hand-edited"
+        )
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
