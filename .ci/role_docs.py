@@ -3,6 +3,8 @@
 Each default is documented by the comment lines right above it; the table shows the name, the
 default as written and that comment. `python3 .ci/role_docs.py` rewrites the tables;
 `--check` only reports the READMEs whose table differs (exit 1), so docs and defaults cannot drift.
+Both also require that the defaults and the argument specs (meta/argument_specs.yml) name the
+same variables: every default is an option of some entry point, every option of `main` a default.
 """
 
 from __future__ import annotations
@@ -53,6 +55,19 @@ def shown_default(inline: str, more: list[str]) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip()
 
 
+def contract_mismatches(role: Path) -> list[str]:
+    defaults = set(yaml.safe_load((role / "defaults" / "main.yml").read_text()) or {})
+    specs = yaml.safe_load((role / "meta" / "argument_specs.yml").read_text())["argument_specs"]
+    options = {name: set(spec.get("options") or {}) for name, spec in specs.items()}
+    anywhere = set().union(*options.values())
+    problems = [f"{role.name}: default {v} has no argument spec" for v in defaults - anywhere]
+    problems += [
+        f"{role.name}: main option {v} has no default"
+        for v in options.get("main", set()) - defaults
+    ]
+    return sorted(problems)
+
+
 def table(rows: list[tuple[str, str, str]]) -> str:
     def cell(text: str) -> str:
         return text.replace("|", "\\|")
@@ -65,6 +80,9 @@ def table(rows: list[tuple[str, str, str]]) -> str:
 def main(argv: list[str]) -> int:
     check = "--check" in argv
     stale = []
+    mismatches = [m for role in sorted(ROOT.glob("roles/*/")) for m in contract_mismatches(role)]
+    for problem in mismatches:
+        print(problem)
     for defaults in sorted(ROOT.glob("roles/*/defaults/main.yml")):
         readme = defaults.parent.parent / "README.md"
         text = readme.read_text()
@@ -79,7 +97,7 @@ def main(argv: list[str]) -> int:
                 readme.write_text(new)
     for path in stale:
         print(f"{path}: Variables table {'differs from' if check else 'regenerated from'} defaults")
-    return 1 if check and stale else 0
+    return 1 if mismatches or (check and stale) else 0
 
 
 if __name__ == "__main__":
