@@ -7,7 +7,12 @@ name, and no file reaches outside its role's directory through role_path.
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +24,9 @@ ROLES = sorted(p for p in (ROOT / "roles").iterdir() if p.is_dir() and p != COMM
 SHARED = yaml.safe_load((COMMON / "defaults" / "main.yml").read_text())
 
 
-def ansible_files(tops: tuple[str, ...] = ("roles", "playbooks", "molecule")) -> list[Path]:
+def ansible_files(
+    tops: tuple[str, ...] = ("roles", "playbooks", "molecule", "inventory"),
+) -> list[Path]:
     found = []
     for top in tops:
         for path in (ROOT / top).rglob("*"):
@@ -68,3 +75,49 @@ def test_no_role_reaches_outside_its_directory() -> None:
         if re.search(r"role_path\s*\}\}\s*/\.\.|role_path\s*~\s*'/\.\.", path.read_text())
     ]
     assert not offenders, "files reached through role_path/..:\n" + "\n".join(offenders)
+
+
+RENAMED = yaml.safe_load((COMMON / "vars" / "main.yml").read_text())["sparkple_common_renamed"]
+
+
+def test_no_file_reads_a_retired_name() -> None:
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, RENAMED)) + r")\b")
+    offenders = [
+        f"{path.relative_to(ROOT)}: {m.group(0)}"
+        for path in ansible_files()
+        for m in pattern.finditer(path.read_text())
+    ]
+    assert not offenders, "retired names still read (sparkple_common refuses them):\n" + "\n".join(
+        offenders
+    )
+
+
+def run_common(tmp_path: Path, variables: dict[str, object]) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).parent / "ansible-playbook"
+    found = str(exe) if exe.exists() else shutil.which("ansible-playbook")
+    if not found:
+        pytest.skip("ansible-playbook is not installed (run .ci/setup-venv)")
+    (tmp_path / "play.yml").write_text(
+        "- hosts: localhost\n  gather_facts: false\n  roles: [sparkple_common]\n"
+    )
+    env = dict(os.environ, ANSIBLE_ROLES_PATH=str(ROOT / "roles"))
+    env.pop("ANSIBLE_CONFIG", None)
+    variables = {"ansible_python_interpreter": sys.executable, **variables}
+    return subprocess.run(
+        [found, "-i", "localhost,", "-c", "local", "play.yml", "-e", json.dumps(variables)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_a_retired_name_in_the_inventory_is_refused_with_its_replacement(tmp_path: Path) -> None:
+    proc = run_common(tmp_path, {"vllm_service_host": "0.0.0.0", "ple_table_dir": "/data/t"})
+    assert proc.returncode != 0, proc.stdout
+    assert "ple_table_dir, vllm_service_host no longer have any effect" in proc.stdout
+    assert "ple_table_dir -> sparkple_table_dir, vllm_service_host -> sparkple_api_host" in (
+        " ".join(proc.stdout.split())
+    )
+
+
+def test_the_shared_names_alone_pass(tmp_path: Path) -> None:
+    proc = run_common(tmp_path, {"sparkple_api_host": "0.0.0.0", "sparkple_data_dir": "/data"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
