@@ -4,16 +4,12 @@ MemAvailable is checked. The failure message lists what is missing."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from ansible_local import run_playbook
 
 pytestmark = pytest.mark.slow  # one ansible-playbook run with fact gathering each
 
@@ -28,23 +24,12 @@ PLAYBOOK = """
 
 
 def preflight(tmp_path: Path, **extra: object) -> str:
-    exe = Path(sys.executable).parent / "ansible-playbook"
-    found = str(exe) if exe.exists() else shutil.which("ansible-playbook")
-    if not found:
-        pytest.skip("ansible-playbook is not installed (run .ci/setup-venv)")
-    (tmp_path / "play.yml").write_text(PLAYBOOK)
     variables = {
         "sparkple_data_dir": str(tmp_path / "data"),
         "sparkple_service_name": "sparkple-test-no-such-unit",
-        "ansible_python_interpreter": sys.executable,
         **extra,
     }
-    env = dict(os.environ, ANSIBLE_ROLES_PATH=str(ROOT / "roles"))
-    env.pop("ANSIBLE_CONFIG", None)
-    proc = subprocess.run(
-        [found, "-i", "localhost,", "-c", "local", "play.yml", "-e", json.dumps(variables)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+    proc = run_playbook(tmp_path, PLAYBOOK, variables)
     assert proc.returncode != 0, "this machine is not a Spark: preflight must fail"
     found_msg = re.search(r"preflight: this host is not ready: ([^\"\n]*)", proc.stdout)
     assert found_msg, proc.stdout + proc.stderr

@@ -8,16 +8,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from ansible_local import run_playbook
 
 pytestmark = pytest.mark.slow  # about 3 s per ansible-playbook run on an idle machine
 
-ROOT = Path(__file__).resolve().parents[2]
 PLAYBOOK = """
 - hosts: localhost
   gather_facts: false
@@ -37,14 +34,6 @@ PLAYBOOK = """
 """
 
 
-def _ansible_playbook() -> str:
-    exe = Path(sys.executable).parent / "ansible-playbook"
-    found = str(exe) if exe.exists() else shutil.which("ansible-playbook")
-    if not found:
-        pytest.skip("ansible-playbook is not installed (run .ci/setup-venv)")
-    return found
-
-
 @pytest.fixture
 def site(tmp_path: Path) -> Path:
     table = tmp_path / "table"
@@ -54,7 +43,6 @@ def site(tmp_path: Path) -> Path:
     (patches / "models").mkdir(parents=True)
     (patches / "models" / "x.py").write_text("x = 1\n")
     (patches / "manifest.json").write_text(json.dumps({"files": [{"path": "models/x.py"}]}))
-    (tmp_path / "play.yml").write_text(PLAYBOOK)
     # the service role a deploy runs: records which release it was handed
     tasks = tmp_path / "roles" / "record_service" / "tasks"
     tasks.mkdir(parents=True)
@@ -81,27 +69,8 @@ def run(site: Path, action: str = "stage", **extra: str) -> tuple[dict, int]:
         "out": str(site / "out.json"),
         **extra,
     }
-    env = dict(os.environ, ANSIBLE_ROLES_PATH=f"{ROOT / 'roles'}:{site / 'roles'}")
-    env.pop("ANSIBLE_CONFIG", None)  # cwd is the temporary directory: no ansible.cfg applies
-    variables["ansible_python_interpreter"] = sys.executable
     (site / "out.json").unlink(missing_ok=True)
-    proc = subprocess.run(
-        [
-            _ansible_playbook(),
-            "-i",
-            "localhost,",
-            "-c",
-            "local",
-            str(site / "play.yml"),
-            "-e",
-            json.dumps(variables),
-        ],
-        cwd=site,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_playbook(site, PLAYBOOK, variables, more_roles=site / "roles", timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     changed = int(re.search(r"localhost\s*:.*changed=(\d+)", proc.stdout).group(1))
     return json.loads((site / "out.json").read_text()), changed - 1  # minus the copy of out.json

@@ -7,16 +7,13 @@ name, and no file reaches outside its role's directory through role_path.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from ansible_local import run_playbook
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = ROOT / "roles" / "sparkple_common"
@@ -42,38 +39,33 @@ def test_every_role_depends_on_the_shared_names(role: Path) -> None:
     assert "sparkple_common" in deps, f"{role.name}/meta/main.yml lacks sparkple_common"
 
 
+def matches(pattern: str, tops: tuple[str, ...] | None = None) -> list[str]:
+    """Every `path: match` of pattern in the Ansible files (outside sparkple_common)."""
+    files = ansible_files(tops) if tops else ansible_files()
+    return [
+        f"{path.relative_to(ROOT)}: {m.group(0)}"
+        for path in files
+        for m in re.finditer(pattern, path.read_text())
+    ]
+
+
 def test_no_file_restates_a_shared_literal() -> None:
-    literals = [
-        SHARED[name]
-        for name in ("sparkple_data_dir", "sparkple_service_name", "sparkple_state_dir")
-    ]
-    offenders = [
-        f"{path.relative_to(ROOT)}: {literal}"
-        # molecule's verify plays check the live state against the values themselves, on purpose
-        for path in ansible_files(("roles", "playbooks"))
-        for literal in literals
-        if re.search(re.escape(literal) + r"(?![\w-])", path.read_text())
-    ]
+    names = ("sparkple_data_dir", "sparkple_service_name", "sparkple_state_dir")
+    literals = "|".join(re.escape(SHARED[name]) for name in names)
+    # molecule's verify plays check the live state against the values themselves, on purpose
+    offenders = matches(rf"(?:{literals})(?![\w-])", ("roles", "playbooks"))
     assert not offenders, "shared literals outside sparkple_common:\n" + "\n".join(offenders)
 
 
 def test_no_shared_name_falls_back_on_a_literal() -> None:
-    pattern = re.compile(r"\b(" + "|".join(map(re.escape, SHARED)) + r")\s*\|\s*default\(")
-    offenders = [
-        f"{path.relative_to(ROOT)}: {m.group(0)}"
-        for path in ansible_files()
-        for m in pattern.finditer(path.read_text())
-        if "hostvars[" not in path.read_text()[max(0, m.start() - 40) : m.start()]
-    ]
+    # a host's own setting may win over the shared name: hostvars[host].<name> | default(<name>)
+    names = "|".join(map(re.escape, SHARED))
+    offenders = matches(rf"(?<!\]\.)\b(?:{names})\s*\|\s*default\(")
     assert not offenders, "shared names default in sparkple_common only:\n" + "\n".join(offenders)
 
 
 def test_no_role_reaches_outside_its_directory() -> None:
-    offenders = [
-        str(path.relative_to(ROOT))
-        for path in ansible_files()
-        if re.search(r"role_path\s*\}\}\s*/\.\.|role_path\s*~\s*'/\.\.", path.read_text())
-    ]
+    offenders = matches(r"role_path\s*\}\}\s*/\.\.|role_path\s*~\s*'/\.\.")
     assert not offenders, "files reached through role_path/..:\n" + "\n".join(offenders)
 
 
@@ -81,32 +73,13 @@ RENAMED = yaml.safe_load((COMMON / "vars" / "main.yml").read_text())["sparkple_c
 
 
 def test_no_file_reads_a_retired_name() -> None:
-    pattern = re.compile(r"\b(" + "|".join(map(re.escape, RENAMED)) + r")\b")
-    offenders = [
-        f"{path.relative_to(ROOT)}: {m.group(0)}"
-        for path in ansible_files()
-        for m in pattern.finditer(path.read_text())
-    ]
-    assert not offenders, "retired names still read (sparkple_common refuses them):\n" + "\n".join(
-        offenders
-    )
+    offenders = matches(r"\b(?:" + "|".join(map(re.escape, RENAMED)) + r")\b")
+    assert not offenders, "retired names are still read:\n" + "\n".join(offenders)
 
 
-def run_common(tmp_path: Path, variables: dict[str, object]) -> subprocess.CompletedProcess:
-    exe = Path(sys.executable).parent / "ansible-playbook"
-    found = str(exe) if exe.exists() else shutil.which("ansible-playbook")
-    if not found:
-        pytest.skip("ansible-playbook is not installed (run .ci/setup-venv)")
-    (tmp_path / "play.yml").write_text(
-        "- hosts: localhost\n  gather_facts: false\n  roles: [sparkple_common]\n"
-    )
-    env = dict(os.environ, ANSIBLE_ROLES_PATH=str(ROOT / "roles"))
-    env.pop("ANSIBLE_CONFIG", None)
-    variables = {"ansible_python_interpreter": sys.executable, **variables}
-    return subprocess.run(
-        [found, "-i", "localhost,", "-c", "local", "play.yml", "-e", json.dumps(variables)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+def run_common(tmp_path: Path, variables: dict[str, object]) -> subprocess.CompletedProcess[str]:
+    play = "- hosts: localhost\n  gather_facts: false\n  roles: [sparkple_common]\n"
+    return run_playbook(tmp_path, play, variables, timeout=120)
 
 
 def test_a_retired_name_in_the_inventory_is_refused_with_its_replacement(tmp_path: Path) -> None:

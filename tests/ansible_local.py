@@ -1,0 +1,39 @@
+"""Run a playbook on this machine (connection local) with the checkout's roles: how the role
+tests drive a real role without a Spark or a container."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_playbook(
+    workdir: Path,
+    playbook: str,
+    variables: dict[str, object],
+    *,
+    more_roles: Path | None = None,
+    timeout: int = 180,
+) -> subprocess.CompletedProcess[str]:
+    """Write `playbook` to workdir/play.yml and run it on localhost with `variables` as -e."""
+    exe = Path(sys.executable).parent / "ansible-playbook"
+    found = str(exe) if exe.exists() else shutil.which("ansible-playbook")
+    if not found:
+        pytest.skip("ansible-playbook is not installed (run .ci/setup-venv)")
+    (workdir / "play.yml").write_text(playbook)
+    roles_path = str(ROOT / "roles") + (f":{more_roles}" if more_roles else "")
+    env = dict(os.environ, ANSIBLE_ROLES_PATH=roles_path)
+    env.pop("ANSIBLE_CONFIG", None)  # cwd is workdir: no ansible.cfg of the checkout applies
+    variables = {"ansible_python_interpreter": sys.executable, **variables}
+    return subprocess.run(
+        [found, "-i", "localhost,", "-c", "local", "play.yml", "-e", json.dumps(variables)],
+        cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
