@@ -2,7 +2,8 @@
 
 Every role depends on sparkple_common; no other role or playbook restates the data volume's
 path, the service's name or the state directory, no file falls back on a literal for a shared
-name, and no file reaches outside its role's directory through role_path.
+name, no retired name is read, and only sparkple_package (which ships the checkout) reaches
+outside its role's directory.
 """
 
 from __future__ import annotations
@@ -64,9 +65,15 @@ def test_no_shared_name_falls_back_on_a_literal() -> None:
     assert not offenders, "shared names default in sparkple_common only:\n" + "\n".join(offenders)
 
 
-def test_no_role_reaches_outside_its_directory() -> None:
-    offenders = matches(r"role_path\s*\}\}\s*/\.\.|role_path\s*~\s*'/\.\.")
-    assert not offenders, "files reached through role_path/..:\n" + "\n".join(offenders)
+def test_only_sparkple_package_reaches_outside_its_role() -> None:
+    # shipping the checkout's package is sparkple_package's whole job: it alone names the
+    # checkout (sparkple_package_src); every other file a role uses lies in the role itself
+    outside = r"role_path\s*(?:\}\}\s*/\.\.|~\s*'/\.\.|\|\s*dirname)"
+    offenders = [m for m in matches(outside) if not m.startswith("roles/sparkple_package/")]
+    assert not offenders, "files reached outside the role:\n" + "\n".join(offenders)
+    assert matches(outside, ("roles",)) == [
+        "roles/sparkple_package/defaults/main.yml: role_path | dirname"
+    ]
 
 
 RENAMED = yaml.safe_load((COMMON / "vars" / "main.yml").read_text())["sparkple_common_renamed"]
