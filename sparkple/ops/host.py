@@ -7,6 +7,7 @@ with spaces stays one argument.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shlex
 import subprocess
@@ -15,6 +16,18 @@ from pathlib import Path
 
 MEMINFO = Path("/proc/meminfo")
 KIB = 1024
+
+
+def service_options() -> argparse.ArgumentParser:
+    """The flags of every program that watches the serving unit (an argparse parent): the unit
+    and container it acts on, and how often one kind of alert may repeat."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--unit", default="sparkple-vllm.service", help="systemd unit name ({unit})")
+    p.add_argument("--container", default="sparkple-vllm", help="container name ({container})")
+    p.add_argument(
+        "--alert-min-interval-s", type=float, default=900.0, help="seconds between alerts of a kind"
+    )
+    return p
 
 
 def read_meminfo() -> dict[str, int]:

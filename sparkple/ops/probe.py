@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .alert import Alerter
-from .host import run_command
+from .host import run_command, service_options
 from .state import iso, manual_stop_path, read_json_object, update_json, write_json, write_marker
 
 
@@ -100,7 +100,7 @@ def check_generation(client: Client, model: str, timeout_s: float) -> tuple[bool
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], parents=[service_options()])
     p.add_argument("--state-dir", type=Path, required=True, help="markers and state (shared)")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     p.add_argument("--model", default="", help="model name; empty: first of /v1/models")
@@ -125,11 +125,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1800.0,
         help="seconds of failing generations with /health 200 before a stop; 0: never stop",
     )
-    p.add_argument("--container", default="sparkple-vllm", help="container ({container})")
-    p.add_argument("--unit", default="sparkple-vllm.service", help="unit ({unit})")
     p.add_argument("--stop-cmd", default="", help="stops the engine; empty: only report")
     p.add_argument("--stop-cmd-timeout-s", type=float, default=180.0)
-    p.add_argument("--alert-min-interval-s", type=float, default=900.0)
     args = p.parse_args(argv)
     if args.health_fail_after < 1 or args.congested_after < 1 or args.congested_stop_s < 0:
         p.error("--health-fail-after and --congested-after must be >= 1, --congested-stop-s >= 0")

@@ -36,7 +36,7 @@ from typing import Any
 
 from ..atomicfile import write_text
 from .alert import Alerter
-from .host import KMSG, kernel_error_counts, run_command
+from .host import KMSG, kernel_error_counts, run_command, service_options
 from .probe import Client, check_generation, read_env_file
 from .shm import DEFAULT_PATTERNS, clean_unheld
 from .state import (
@@ -520,15 +520,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--state-dir", type=Path, required=True, help="markers and state (shared)")
     common.add_argument("--kmsg", type=Path, default=KMSG, help="kernel log (Xid counts)")
-    service = argparse.ArgumentParser(add_help=False)
-    service.add_argument("--unit", default="sparkple-vllm.service", help="unit name ({unit})")
-    service.add_argument("--container", default="sparkple-vllm", help="container ({container})")
+    service = argparse.ArgumentParser(add_help=False, parents=[service_options()])
     service.add_argument("--check-cmd", default="systemctl is-active --quiet {unit}")
     service.add_argument("--start-cmd", default="systemctl start {unit}")
     service.add_argument("--stop-cmd", default="systemctl stop {unit}")
     service.add_argument("--start-timeout-s", type=float, default=300.0)
     service.add_argument("--stop-timeout-s", type=float, default=180.0)
-    service.add_argument("--alert-min-interval-s", type=float, default=900.0)
     service.add_argument(
         "--url", default="", help="the server's base URL (/health); empty: up means ready"
     )

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .alert import Alerter
-from .host import read_meminfo, run_command
+from .host import read_meminfo, run_command, service_options
 from .state import iso, update_json, utc_stamp, write_json, write_marker
 
 MIB = 1024 * 1024
@@ -36,11 +36,9 @@ def log(message: str) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], parents=[service_options()])
     p.add_argument("--state-dir", type=Path, required=True, help="markers and state (shared)")
     p.add_argument("--log-dir", type=Path, required=True, help="where container logs are archived")
-    p.add_argument("--container", default="sparkple-vllm", help="container name ({container})")
-    p.add_argument("--unit", default="sparkple-vllm.service", help="systemd unit name ({unit})")
     p.add_argument("--interval-s", type=float, default=1.0, help="seconds between samples")
     p.add_argument("--debounce", type=int, default=5, help="consecutive bad samples to trip")
     p.add_argument("--avail-floor-mib", type=int, default=6144, help="MemAvailable floor")
@@ -62,7 +60,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="stops the service gracefully",
     )
     p.add_argument("--stop-timeout-s", type=float, default=120.0, help="limit for --stop-cmd")
-    p.add_argument("--alert-min-interval-s", type=float, default=900.0, help="per alert kind")
     p.add_argument("--mlock", action="store_true", help="lock the watchdog in RAM (needs root)")
     args = p.parse_args(argv)
     if args.interval_s <= 0 or args.debounce < 1:
