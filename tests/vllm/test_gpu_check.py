@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
+import sys
+import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +20,14 @@ from sparkple.synth import synth_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "gpu_graph_check.py"
+MIB = 1024**2
+# what a machine without network sees: no index, no hub, every proxied connection refused
+OFFLINE = {
+    "PIP_NO_INDEX": "1",
+    "HF_HUB_OFFLINE": "1",
+    "http_proxy": "http://127.0.0.1:9",
+    "https_proxy": "http://127.0.0.1:9",
+}
 SHAPES = ("1", "8", "16", "2048")
 MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE", "NONE")
 
@@ -116,3 +129,115 @@ def test_graph_check_on_cuda(request: pytest.FixtureRequest, tmp_path: Path) -> 
             "2048": {"eager"},
         },
     )
+
+
+def preamble():
+    spec = importlib.util.spec_from_file_location("preamble", REPO / "gpu" / "preamble.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def without_nvidia_smi(tmp_path: Path) -> dict[str, str]:
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine has nvidia-smi")
+    return {**os.environ, "GPU_CHECK_OUT": str(tmp_path / "out")}
+
+
+def test_gpu_check_without_a_gpu_exits_2_at_once(tmp_path: Path) -> None:
+    """One line, exit 2, within seconds, before anything is built, rendered or downloaded."""
+    env = without_nvidia_smi(tmp_path)
+    for cmd in (["bash", ".ci/gpu-check"], ["make", "-s", "gpu-check"]):
+        started = time.monotonic()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+        assert time.monotonic() - started < 60
+        assert proc.returncode == 2
+        assert proc.stderr.splitlines()[0] == (
+            "gpu-check: no NVIDIA GPU here (nvidia-smi -L failed): run it on a machine with one"
+        )
+        assert proc.stdout == ""
+    assert not (tmp_path / "out").exists()
+
+
+def fake_nvidia_smi(bin_dir: Path) -> None:
+    """An nvidia-smi that answers like a machine with one GPU (torch still sees none)."""
+    bin_dir.mkdir()
+    script = bin_dir / "nvidia-smi"
+    script.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in -L) echo "GPU 0: Fake GPU (UUID: GPU-0)";; '
+        '*) echo "Fake GPU, 580.1";; esac\n'
+    )
+    script.chmod(0o755)
+
+
+def test_preamble_refuses_a_torch_without_cuda(vllm_venv: Path, tmp_path: Path) -> None:
+    fake_nvidia_smi(tmp_path / "bin")
+    env = {
+        **os.environ,
+        **OFFLINE,
+        "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+        "PYTHON": str(vllm_venv),
+        "GPU_CHECK_OUT": str(tmp_path / "out"),
+    }
+    proc = subprocess.run(
+        ["bash", ".ci/gpu-check"], capture_output=True, text=True, env=env, cwd=REPO
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1].startswith(
+        "gpu-check: torch 2.13.0+cpu is a build without CUDA: set PYTHON to a Python with CUDA"
+    )
+
+
+def test_preamble_refuses_pythons_outside_the_wheels_range() -> None:
+    module = preamble()
+    for version in ((3, 11), (3, 14)):
+        module.check_python(version)
+    for version in ((3, 10), (3, 15)):
+        with pytest.raises(module.Refusal, match=r"outside vLLM 0.33.0's range \(>=3.11, <3.15\)"):
+            module.check_python(version)
+
+
+def test_preamble_names_the_compiled_packages_missing() -> None:
+    module = preamble()
+    module.check_needs({"json": "json", "sys": "sys"})
+    with pytest.raises(module.Refusal, match="pip install nothere==1.0 nothere2==2"):
+        module.check_needs({"sparkple_nothere": "nothere==1.0", "sparkple_nothere2": "nothere2==2"})
+
+
+def test_bundle_runs_the_cpu_smoke_mode_offline(vllm_venv: Path, tmp_path: Path) -> None:
+    """make gpu-bundle's archive: under 60 MiB, its path the last line; unpacked elsewhere,
+    its gpu-check.sh --cpu-smoke passes offline, with vLLM from the archive."""
+    archive = tmp_path / "gpu-check.tar.gz"
+    cmd = [
+        sys.executable,
+        "gpu/bundle.py",
+        "build",
+        "--python",
+        str(vllm_venv),
+        "--out",
+        str(archive),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == str(archive)
+    assert archive.stat().st_size < 60 * MIB
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    root = tmp_path / "unpacked" / "sparkple-gpu-check"
+    needs = json.loads((root / "bundle" / "needs.json").read_text())
+    assert "pydantic==" in needs["pydantic"]  # pinned to its compiled core: not copied
+    assert (root / "bundle" / "site" / "transformers").is_dir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "GPU_CHECK_OUT")}
+    env.update(OFFLINE, PYTHON=str(vllm_venv))
+    proc = subprocess.run(
+        ["bash", "gpu-check.sh", "--cpu-smoke"], capture_output=True, text=True, env=env, cwd=root
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((root / "gpu-check-results" / "gpu-check.json").read_text())
+    assert report["ok"] and report["checks"]["graph"]["ok"]
+    assert report["preamble"]["vllm"] == "0.33.0"
+    assert report["preamble"]["vllm_file"].startswith(str(root / "bundle" / "vllm-src"))
+    summary = (root / "gpu-check-results" / "summary.txt").read_text().splitlines()
+    assert summary[-1] == "gpu-check: every check passed"
+    assert summary[1] == report["checks"]["graph"]["summary"][0]
