@@ -17,10 +17,12 @@ if [[ -d $here/sparkple ]]; then root=$here; else root=$(dirname "$here"); fi
 cd "$root"
 
 # The checks: NAME SCRIPT, each run as SCRIPT {cuda|cpu} RENDERED RESULT_JSON SNAPSHOT=TABLE,
-# exit 0 when its checks pass; one more check is one more line.
+# exit 0 when its checks pass; one more check is one more line. Each is stopped after
+# GPU_CHECK_TIMEOUT_S (default 240), so that a whole run stays within 8 minutes.
 checks=(
     "graph tests/vllm/gpu_graph_check.py"
 )
+limit=${GPU_CHECK_TIMEOUT_S:-240}
 
 device=cuda
 case "${1:-}" in
@@ -79,8 +81,8 @@ results=()
 for check in "${checks[@]}"; do
     read -r name script <<<"$check"
     echo "gpu-check: $name ($script)"
-    if ! (cd "$work" && env -u SPARKPLE_PLE_TABLE_DIR "$python" "$root/$script" "$device" \
-        "$rendered" "$out/$name.json" "$work/snapshot=$work/table"); then
+    if ! (cd "$work" && env -u SPARKPLE_PLE_TABLE_DIR timeout "$limit" "$python" "$root/$script" \
+        "$device" "$rendered" "$out/$name.json" "$work/snapshot=$work/table"); then
         failed=1
     fi
     results+=("$name=$out/$name.json")
@@ -90,8 +92,8 @@ done
 if [[ $device == cuda && ! -d bundle ]] && ls .cache/*/vllm-0.33.0-*.whl >/dev/null 2>&1 \
     && env -u PYTHONPATH "$python" -c 'import pytest, vllm' >/dev/null 2>&1; then
     echo "gpu-check: the gpu-marked tests"
-    SPARKPLE_VLLM_PYTHON=$python "$python" -m pytest -q -p no:cacheprovider -m gpu tests \
-        || failed=1
+    SPARKPLE_VLLM_PYTHON=$python timeout "$limit" "$python" -m pytest -q -p no:cacheprovider \
+        -m gpu tests || failed=1
 else
     echo "gpu-check: gpu-marked tests not run (they need pytest and vLLM installed in PYTHON)"
 fi
