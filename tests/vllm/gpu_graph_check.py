@@ -20,10 +20,15 @@ With the rendered patch files laid over the package and a packed table built fro
    every repetition) and warm, for the graph and the eager forward; and which of them each
    cudagraph mode of vLLM 0.33 runs for that step.
 
+The pinned-host layer needs vLLM's compiled ops (vllm._C: the serving image has them, the
+wheel's Python sources do not); without them the stock reference is vLLM's device backend
+(the same Triton lookup on the device), and the result names the backend it compared with.
+
 `cpu` is the smoke mode of `make test`: it builds every config and object the CUDA run builds
-up to the first CUDA call (the pinned-host layer needs pinned memory; on the CPU the stock
-reference is vLLM's device backend, compared in its CUDA kernel's arithmetic order), runs the
-same steps with the eager forward in place of each replay, once, and checks them the same way.
+up to the first CUDA call (the pinned-host layer's first act is a pinned allocation; on the CPU
+the stock reference is vLLM's device backend, compared in its CUDA kernel's arithmetic order),
+runs the same steps with the eager forward in place of each replay, once, and checks them the
+same way.
 Writes the figures and a short summary to RESULT_JSON; exit 1 when a check fails.
 """
 
@@ -109,6 +114,19 @@ def resolve_engram_config() -> str:
     engram.verify_parallel_config(config.parallel_config)
     config.engram_config = engram
     return str(engram)
+
+
+def pinned_host_available() -> bool:
+    """Whether stock vLLM's pinned-host backend can run: its UVA view of host memory is one of
+    vLLM's compiled ops (vllm._C, in an installed vLLM such as the serving image's; the
+    wheel's Python sources alone lack it, and the device backend is the stock reference)."""
+    if not CUDA:
+        return False  # its first act is a pinned allocation
+    try:
+        torch.ops._C.get_cuda_view_from_cpu_tensor  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def synchronize() -> None:
@@ -347,8 +365,7 @@ def main() -> int:
         stock_module = importlib.import_module(NGRAM_MODULE)
         patched, state_module = patched_modules(rendered)
         os.environ.pop("SPARKPLE_PLE_TABLE_DIR", None)
-        if not CUDA:
-            # the pinned-host layer's first act is a pinned allocation: the CPU stops there
+        if not pinned_host_available():
             from vllm.config import get_current_vllm_config
 
             get_current_vllm_config().engram_config.cpu_offload = False

@@ -116,6 +116,7 @@ def test_graph_check_on_cuda(request: pytest.FixtureRequest, tmp_path: Path) -> 
     vllm_venv = request.getfixturevalue("vllm_venv")
     vllm_originals = request.getfixturevalue("vllm_originals")
     result, _ = run_graph_check(vllm_venv, vllm_originals, tmp_path, "cuda", vocab=60_000)
+    # an installed vLLM (vllm._C): stock vLLM's pinned-host lookup is the reference
     assert result["stock_backend"] == "Qwen4ExpPLEPinnedHostEmbedding"
     assert result["patched_backend"] == "Qwen4ExpPLEPackedTableEmbedding"
     assert result["staging_pinned"] and result["host_inputs_pinned"]
