@@ -44,6 +44,8 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+# the refusals first, before anything is extracted, downloaded or rendered
+"$python" gpu/preamble.py "$device" "$work/preamble.json" >/dev/null
 needs=()
 if [[ -d bundle/vllm-src ]]; then
     # the unpacked bundle: vLLM's sources and the pure-Python packages it carries
