@@ -95,7 +95,7 @@ if [[ $device == cuda && ! -d bundle ]] && ls .cache/*/vllm-0.33.0-*.whl >/dev/n
     && env -u PYTHONPATH "$python" -c 'import pytest, vllm' >/dev/null 2>&1; then
     echo "gpu-check: the gpu-marked tests"
     SPARKPLE_VLLM_PYTHON=$python timeout "$limit" "$python" -m pytest -q -p no:cacheprovider \
-        -m gpu tests || failed=1
+        -m gpu tests/vllm || failed=1
 else
     echo "gpu-check: gpu-marked tests not run (they need pytest and vLLM installed in PYTHON)"
 fi
