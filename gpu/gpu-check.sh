@@ -18,11 +18,11 @@ cd "$root"
 
 # The checks: NAME SCRIPT, each run as SCRIPT {cuda|cpu} RENDERED RESULT_JSON SNAPSHOT=TABLE,
 # exit 0 when its checks pass; one more check is one more line. Each is stopped after
-# GPU_CHECK_TIMEOUT_S (default 240), so that a whole run stays within 8 minutes.
+# GPU_CHECK_TIMEOUT_S (default 200; the gpu-marked tests too), so that a whole run stays within 8 minutes.
 checks=(
     "graph tests/vllm/gpu_graph_check.py"
 )
-limit=${GPU_CHECK_TIMEOUT_S:-240}
+limit=${GPU_CHECK_TIMEOUT_S:-200}
 
 device=cuda
 case "${1:-}" in
