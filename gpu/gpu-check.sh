@@ -17,8 +17,8 @@ if [[ -d $here/sparkple ]]; then root=$here; else root=$(dirname "$here"); fi
 cd "$root"
 
 # The checks: NAME SCRIPT, each run as SCRIPT {cuda|cpu} RENDERED RESULT_JSON SNAPSHOT=TABLE,
-# exit 0 when its checks pass; one more check is one more line. Each is stopped after
-# GPU_CHECK_TIMEOUT_S (default 200; the gpu-marked tests too), so that a whole run stays within 8 minutes.
+# exit 0 when its checks pass; one more check is one more line. Each (and the gpu-marked
+# tests) is stopped after GPU_CHECK_TIMEOUT_S (default 200), so a run stays within 8 minutes.
 checks=(
     "graph tests/vllm/gpu_graph_check.py"
 )
