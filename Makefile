@@ -1,5 +1,5 @@
 # The two set-up commands of the README; everything they need is installed by .ci/ scripts.
-.PHONY: test lab lab-destroy gpu-check
+.PHONY: test lab lab-destroy gpu-check gpu-bundle
 
 # every test: pytest, ruff, yamllint, template syntax, ansible-lint, molecule scenarios
 test:
@@ -13,6 +13,11 @@ lab:
 lab-destroy:
 	bash -c 'source .ci/env && ansible-playbook playbooks/lab.yml -e lab_state=absent'
 
-# the checks that need a CUDA GPU: gpu-marked tests and the CUDA-graph check (exits 2 without one)
+# the checks that need a CUDA GPU (exits 2 at once without one); PYTHON=/path/to/python3 names
+# a Python with CUDA torch (default python3; no venv is built)
 gpu-check:
-	bash .ci/gpu-check
+	PYTHON="$(PYTHON)" bash .ci/gpu-check
+
+# the GPU check for a machine without network: one archive, its path the last line printed
+gpu-bundle:
+	bash .ci/gpu-bundle

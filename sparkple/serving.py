@@ -46,6 +46,12 @@ MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 # vLLM 0.33's CUDAGraphMode names.
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 SAFETENSORS_LOAD_STRATEGIES = ("lazy", "eager", "prefetch")
+# The strategies vLLM 0.33's loader reads the PLE row shards with (only lazy asks its per-name
+# skip before it reads a tensor), and why; the vLLM patch refuses them at start as well.
+ROW_SHARD_READING_STRATEGIES = {
+    "eager": "reads each whole file, then filters the names",
+    "prefetch": "reads every file into the page cache",
+}
 MAX_MTP_DEPTH = 8
 # Names of the PLE row-shard tensors (their bytes are the table, read from NVMe instead).
 PLE_SHARD_MARK = ".ple.ple_embedding.ngram_embedding.shard_"
@@ -87,23 +93,24 @@ PLE_UNSERVABLE: dict[str, tuple[str, str]] = {
 }
 
 
-def _across_dp(arg: str, following: list[str]) -> bool:
-    """Whether an --engram-config argument turns embedding_across_dp on (JSON or dotted; the
-    value inline after `=` or as the next argument; dashes or underscores in the key)."""
+def _turns_on(arg: str, following: list[str], key: str) -> bool:
+    """Whether a dict-valued argument (--engram-config, --model-loader-extra-config) turns
+    `key` on: JSON or dotted; the value inline after `=` or as the next argument; dashes or
+    underscores in the key."""
     name, eq, value = arg.partition("=")
     if not eq and following and not following[0].startswith("-"):
         value = following[0]
-    _, _, key = name.partition(".")
-    if key:
+    _, _, dotted = name.partition(".")
+    if dotted:
         on = value.strip().lower() in ("", "true", "1")
-        return key.replace("-", "_") == "embedding_across_dp" and on
+        return dotted.replace("-", "_") == key and on
     try:
         config = json.loads(value)
     except ValueError:
         return False
     if not isinstance(config, dict):
         return False
-    return True in (config.get("embedding_across_dp"), config.get("embedding-across-dp"))
+    return True in (config.get(key), config.get(key.replace("_", "-")))
 
 
 class ServingError(SparkpleError):
@@ -263,6 +270,14 @@ class Recipe:
         for var, value, allowed in choices:
             if value not in allowed:
                 raise bad(var, value, f"use one of {', '.join(allowed)}")
+        if self.safetensors_load_strategy in ROW_SHARD_READING_STRATEGIES:
+            raise bad(
+                "safetensors_load_strategy",
+                self.safetensors_load_strategy,
+                f"--safetensors-load-strategy={self.safetensors_load_strategy} "
+                f"{ROW_SHARD_READING_STRATEGIES[self.safetensors_load_strategy]}, the PLE row "
+                "shards the packed table replaces included: use lazy",
+            )
         if not 0 <= self.mtp_depth <= MAX_MTP_DEPTH:
             raise bad("mtp_depth", self.mtp_depth, f"use 0 (off) .. {MAX_MTP_DEPTH}")
         if (
@@ -311,10 +326,21 @@ class Recipe:
             name, eq, value = arg.partition("=")
             flag = short.get(name, name.replace("_", "-"))
             if flag not in PLE_UNSERVABLE:
-                if flag.startswith("--engram-config") and _across_dp(arg, args[i + 1 : i + 2]):
+                following = args[i + 1 : i + 2]
+                if flag.startswith("--engram-config") and _turns_on(
+                    arg, following, "embedding_across_dp"
+                ):
                     raise ServingError(
                         f"vllm_service_extra_args has {arg!r}: embedding_across_dp shards the "
                         "table across ranks, which the packed PLE table cannot serve; remove it"
+                    )
+                if flag.startswith("--model-loader-extra-config") and _turns_on(
+                    arg, following, "enable_multithread_load"
+                ):
+                    raise ServingError(
+                        f"vllm_service_extra_args has {arg!r}: the multi-thread loader reads "
+                        "every tensor, the PLE row shards the packed table replaces included; "
+                        "remove it"
                     )
                 continue
             if not eq and i + 1 < len(args) and not args[i + 1].startswith("-"):

@@ -114,6 +114,17 @@ def test_refused_when_the_container_exceeds_what_the_host_can_give() -> None:
             "embedding_across_dp",
         ),
         ({"extra_args": ("--gpu_memory_utilization=0.9",)}, "the budget"),
+        # load paths that read the PLE row shards
+        ({"safetensors_load_strategy": "eager"}, "--safetensors-load-strategy=eager reads each"),
+        ({"safetensors_load_strategy": "prefetch"}, "--safetensors-load-strategy=prefetch reads"),
+        (
+            {"extra_args": ('--model-loader-extra-config={"enable_multithread_load": true}',)},
+            "multi-thread loader",
+        ),
+        (
+            {"extra_args": ("--model-loader-extra-config.enable-multithread-load", "true")},
+            "multi-thread loader",
+        ),
         ({"extra_args": ("--x\n--y",)}, "no newlines"),
     ],
 )

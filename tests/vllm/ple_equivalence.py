@@ -52,6 +52,7 @@ def vllm_context(
     from vllm.config import (
         DeviceConfig,
         EngramConfig,
+        LoadConfig,
         SchedulerConfig,
         VllmConfig,
         set_current_vllm_config,
@@ -60,6 +61,8 @@ def vllm_context(
 
     config = VllmConfig(
         device_config=DeviceConfig(device=DEVICE.type),
+        # the serving recipe's loader: the only one that skips the row shards before reading
+        load_config=LoadConfig(load_format="safetensors", safetensors_load_strategy="lazy"),
         scheduler_config=SchedulerConfig(
             max_num_seqs=MAX_REQS,
             max_num_batched_tokens=max_tokens,

@@ -23,7 +23,8 @@ TARGET = "models/qwen4_exp/nvidia/ngram_embedding.py"
 ADDED = "models/qwen4_exp/common/ple_mmap_embedding.py"
 STATE = "models/qwen4_exp/nvidia/model_state.py"
 LOADER_FILTER = "model_executor/model_loader/ep_weight_filter.py"
-EDITED = (TARGET, STATE, LOADER_FILTER)
+COMMON = "models/qwen4_exp/common/ngram_embedding.py"
+EDITED = (TARGET, COMMON, STATE, LOADER_FILTER)
 
 
 @pytest.fixture

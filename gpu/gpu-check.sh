@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# The GPU check, one set of checks run three ways: `make gpu-check [PYTHON=...]` in a checkout,
+# `bash gpu-check.sh` inside the unpacked `make gpu-bundle` archive (offline), and inside the
+# serving image (playbooks/gpu_check.yml). In order: the preamble (what it runs on, or a
+# one-line refusal, exit 2), the import smoke test, then each check script; the figures go to
+# one JSON and a short text summary in $GPU_CHECK_OUT.
+#   --cpu-smoke  the same on the CPU, small (any machine whose Python has torch; exit 0)
+# Environment: PYTHON (default python3), GPU_CHECK_OUT, SPARKPLE_GPU_RENDERED (rendered patch
+# files to use, as the serving image mounts them; default: rendered here or in the bundle).
+set -euo pipefail
+python=${PYTHON:-python3}
+if [[ $python == */* && -x $python ]]; then  # a path, from where it was given
+    python=$(cd "$(dirname "$python")" && pwd)/$(basename "$python")
+fi
+here=$(cd "$(dirname "$0")" && pwd)
+if [[ -d $here/sparkple ]]; then root=$here; else root=$(dirname "$here"); fi
+cd "$root"
+
+# The checks: NAME SCRIPT, each run as SCRIPT {cuda|cpu} RENDERED RESULT_JSON SNAPSHOT=TABLE,
+# exit 0 when its checks pass; one more check is one more line. Each (and the gpu-marked
+# tests) is stopped after GPU_CHECK_TIMEOUT_S (default 200), so a run stays within 8 minutes.
+checks=(
+    "graph tests/vllm/gpu_graph_check.py"
+)
+limit=${GPU_CHECK_TIMEOUT_S:-200}
+
+device=cuda
+case "${1:-}" in
+    "") ;;
+    --cpu-smoke) device=cpu ;;
+    *) echo "usage: $0 [--cpu-smoke]" >&2; exit 2 ;;
+esac
+if [[ $device == cuda ]] && ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "gpu-check: no NVIDIA GPU here (nvidia-smi -L failed): run it on a machine with one" >&2
+    exit 2
+fi
+if ! command -v "$python" >/dev/null 2>&1; then
+    echo "gpu-check: no Python at '$python': set PYTHON to an interpreter with torch" >&2
+    exit 2
+fi
+
+out=${GPU_CHECK_OUT:-$root/gpu-check-results}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+# the refusals first, before anything is extracted, downloaded or rendered
+"$python" gpu/preamble.py "$device" "$work/preamble.json" >/dev/null
+needs=()
+if [[ -d bundle/vllm-src ]]; then
+    # the unpacked bundle: vLLM's sources and the pure-Python packages it carries
+    vllm_path=$root/bundle/vllm-src:$root/bundle/site
+    rendered=${SPARKPLE_GPU_RENDERED:-$root/bundle/rendered}
+    needs=(bundle/needs.json)
+elif [[ -n ${SPARKPLE_GPU_RENDERED:-} ]]; then
+    # the serving image: its own vLLM, the rendered files the service mounts
+    vllm_path=""
+    rendered=$SPARKPLE_GPU_RENDERED
+else
+    # a checkout: vLLM 0.33.0's Python sources from the cached wheel, the patch rendered here
+    sources=$("$python" gpu/bundle.py sources .cache/vllm-0.33.0-python | tail -1)
+    vllm_path=$sources
+    rendered=$work/rendered
+    PYTHONPATH=$root "$python" -m sparkple.cli patch render --profile vllm-0.33 \
+        --originals "$sources/vllm" --out "$rendered" >/dev/null
+fi
+export PYTHONPATH="$root:$root/tests/vllm${vllm_path:+:$vllm_path}"
+if [[ $device == cpu ]]; then
+    # vLLM's CPU platform on any machine, and the V2 runner that serves this model on CUDA
+    # (vLLM picks it where triton imports; a CPU torch may come without triton)
+    export VLLM_TARGET_DEVICE=cpu VLLM_USE_V2_MODEL_RUNNER=1
+fi
+
+"$python" gpu/preamble.py "$device" "$out/preamble.json" "${needs[@]}"
+(cd "$work" && "$python" "$root/gpu/import_smoke.py" "$device" "$rendered")
+
+# a synthetic checkpoint and its table: 0.7 GiB on the GPU, small for the smoke mode
+if [[ $device == cuda ]]; then size=(--vocab-base 500000 --files 4); else size=(--vocab-base 3000 --files 2); fi
+"$python" -m sparkple.cli synth-checkpoint "$work/snapshot" "${size[@]}" >/dev/null
+"$python" -m sparkple.cli build-table "$work/snapshot" "$work/table" --quiet
+failed=0
+results=()
+for check in "${checks[@]}"; do
+    read -r name script <<<"$check"
+    echo "gpu-check: $name ($script)"
+    if ! (cd "$work" && env -u SPARKPLE_PLE_TABLE_DIR timeout "$limit" "$python" "$root/$script" \
+        "$device" "$rendered" "$out/$name.json" "$work/snapshot=$work/table"); then
+        failed=1
+    fi
+    results+=("$name=$out/$name.json")
+done
+# the gpu-marked tests too, where PYTHON has pytest and an installed vLLM (the tests run
+# their scripts with it) and the checkout caches the wheel they read
+if [[ $device == cuda && ! -d bundle ]] && ls .cache/*/vllm-0.33.0-*.whl >/dev/null 2>&1 \
+    && env -u PYTHONPATH "$python" -c 'import pytest, vllm' >/dev/null 2>&1; then
+    echo "gpu-check: the gpu-marked tests"
+    SPARKPLE_VLLM_PYTHON=$python timeout "$limit" "$python" -m pytest -q -p no:cacheprovider \
+        -m gpu tests/vllm || failed=1
+else
+    echo "gpu-check: gpu-marked tests not run (they need pytest and vLLM installed in PYTHON)"
+fi
+"$python" gpu/report.py "$out" "$out/preamble.json" "${results[@]}" || failed=1
+exit "$failed"

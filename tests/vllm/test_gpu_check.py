@@ -1,0 +1,244 @@
+"""The CUDA-graph check: its CPU smoke mode here, the whole check where a GPU is."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from sparkple import patch
+from sparkple.build import build_table
+from sparkple.synth import synth_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).resolve().parent / "gpu_graph_check.py"
+MIB = 1024**2
+# what a machine without network sees: no index, no hub, every proxied connection refused
+OFFLINE = {
+    "PIP_NO_INDEX": "1",
+    "HF_HUB_OFFLINE": "1",
+    "http_proxy": "http://127.0.0.1:9",
+    "https_proxy": "http://127.0.0.1:9",
+}
+SHAPES = ("1", "8", "16", "2048")
+MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE", "NONE")
+
+
+def run_graph_check(vllm_venv: Path, vllm_originals: Path, work: Path, device: str, vocab: int):
+    snapshot = synth_checkpoint(work / "snapshot", quant="nvfp4", vocab_base=vocab, files=2)
+    table = work / "table"
+    build_table(snapshot, table, quiet=True)
+    rendered = work / "rendered"
+    patch.render("vllm-0.33", vllm_originals, rendered)
+    out = work / "graph.json"
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{SCRIPT.parent}"}
+    env.pop("SPARKPLE_PLE_TABLE_DIR", None)
+    args = [str(vllm_venv), str(SCRIPT), device, str(rendered), str(out), f"{snapshot}={table}"]
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=work)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def assert_honest_checks(result: dict) -> None:
+    checks = result["checks"]
+    assert len(checks["replays"]) == 6
+    for replay in checks["replays"]:
+        assert replay == {
+            "equals_stock": True,
+            "nonzero": True,
+            "padding_zero": True,
+            "differs_from_previous": True,
+        }
+    assert checks["zero_rows_replay_zero"]
+    assert checks["sizes"] == {"1": True, "8": True, "16": True}
+    assert result["ok"] and result["failed"] == []
+
+
+def assert_timed_shapes(result: dict, executions: dict[str, set[str]]) -> None:
+    host_side = result["host_side"]
+    assert tuple(host_side) == SHAPES
+    for tokens, shape in host_side.items():
+        assert set(shape["by_execution"]) == executions[tokens]
+        for temps in shape["by_execution"].values():
+            for figures in (temps["cold"], temps["warm"]):
+                assert 0 < figures["host_side_ms"] <= figures["step_ms"]
+                assert figures["gather_wait_ms"] >= 0
+        assert tuple(shape["modes"]) == MODES
+    # what vLLM 0.33 runs for one layer: FULL graphs for uniform decode, piecewise graphs
+    # (the same capture for one layer) for mixed steps, eager beyond the largest capture size
+    assert host_side["16"]["modes"] == {
+        "FULL_AND_PIECEWISE": "full",
+        "FULL_DECODE_ONLY": "full",
+        "PIECEWISE": "piecewise",
+        "NONE": "eager",
+    }
+    assert set(host_side["2048"]["modes"].values()) == {"eager"}
+
+
+def test_graph_check_smoke_mode_builds_and_checks_everything_up_to_cuda(
+    vllm_venv: Path, vllm_originals: Path, tmp_path: Path
+) -> None:
+    """The smoke mode builds the check's vLLM config (the Engram config a Qwen4Exp server
+    resolves, validated by VllmConfig), both layers, vLLM's model state and dummy inputs,
+    then runs the same steps eagerly: a crash before the first CUDA call fails here."""
+    result, stdout = run_graph_check(vllm_venv, vllm_originals, tmp_path, "cpu", vocab=3000)
+    assert "cpu_offload=True" in result["engram_config"]
+    assert result["stock_backend"] == "Qwen4ExpPLEDeviceEmbedding"
+    assert result["patched_backend"] == "Qwen4ExpPLEPackedTableEmbedding"
+    assert_honest_checks(result)
+    assert_timed_shapes(
+        result,
+        {
+            "1": {"eager", "graph"},
+            "8": {"eager", "graph"},
+            "16": {"eager", "graph"},
+            "2048": {"eager"},
+        },
+    )
+    assert stdout.splitlines() == result["summary"]
+    assert "all checks passed" in stdout.splitlines()[0]
+
+
+@pytest.mark.gpu
+def test_graph_check_on_cuda(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """The same check with FULL CUDA graphs against stock vLLM's pinned-host lookup."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    vllm_venv = request.getfixturevalue("vllm_venv")
+    vllm_originals = request.getfixturevalue("vllm_originals")
+    result, _ = run_graph_check(vllm_venv, vllm_originals, tmp_path, "cuda", vocab=60_000)
+    # an installed vLLM (vllm._C): stock vLLM's pinned-host lookup is the reference
+    assert result["stock_backend"] == "Qwen4ExpPLEPinnedHostEmbedding"
+    assert result["patched_backend"] == "Qwen4ExpPLEPackedTableEmbedding"
+    assert result["staging_pinned"] and result["host_inputs_pinned"]
+    assert_honest_checks(result)
+    assert_timed_shapes(
+        result,
+        {
+            "1": {"eager", "graph"},
+            "8": {"eager", "graph"},
+            "16": {"eager", "graph"},
+            "2048": {"eager"},
+        },
+    )
+
+
+def preamble():
+    spec = importlib.util.spec_from_file_location("preamble", REPO / "gpu" / "preamble.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def without_nvidia_smi(tmp_path: Path) -> dict[str, str]:
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine has nvidia-smi")
+    return {**os.environ, "GPU_CHECK_OUT": str(tmp_path / "out")}
+
+
+def test_gpu_check_without_a_gpu_exits_2_at_once(tmp_path: Path) -> None:
+    """One line, exit 2, within seconds, before anything is built, rendered or downloaded."""
+    env = without_nvidia_smi(tmp_path)
+    for cmd in (["bash", ".ci/gpu-check"], ["make", "-s", "gpu-check"]):
+        started = time.monotonic()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+        assert time.monotonic() - started < 60
+        assert proc.returncode == 2
+        assert proc.stderr.splitlines()[0] == (
+            "gpu-check: no NVIDIA GPU here (nvidia-smi -L failed): run it on a machine with one"
+        )
+        assert proc.stdout == ""
+    assert not (tmp_path / "out").exists()
+
+
+def fake_nvidia_smi(bin_dir: Path) -> None:
+    """An nvidia-smi that answers like a machine with one GPU (torch still sees none)."""
+    bin_dir.mkdir()
+    script = bin_dir / "nvidia-smi"
+    script.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in -L) echo "GPU 0: Fake GPU (UUID: GPU-0)";; '
+        '*) echo "Fake GPU, 580.1";; esac\n'
+    )
+    script.chmod(0o755)
+
+
+def test_preamble_refuses_a_torch_without_cuda(vllm_venv: Path, tmp_path: Path) -> None:
+    fake_nvidia_smi(tmp_path / "bin")
+    env = {
+        **os.environ,
+        **OFFLINE,
+        "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+        "PYTHON": str(vllm_venv),
+        "GPU_CHECK_OUT": str(tmp_path / "out"),
+    }
+    proc = subprocess.run(
+        ["bash", ".ci/gpu-check"], capture_output=True, text=True, env=env, cwd=REPO
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1].startswith(
+        "gpu-check: torch 2.13.0+cpu is a build without CUDA: set PYTHON to a Python with CUDA"
+    )
+
+
+def test_preamble_refuses_pythons_outside_the_wheels_range() -> None:
+    module = preamble()
+    for version in ((3, 11), (3, 14)):
+        module.check_python(version)
+    for version in ((3, 10), (3, 15)):
+        with pytest.raises(module.Refusal, match=r"outside vLLM 0.33.0's range \(>=3.11, <3.15\)"):
+            module.check_python(version)
+
+
+def test_preamble_names_the_compiled_packages_missing() -> None:
+    module = preamble()
+    module.check_needs({"json": "json", "sys": "sys"})
+    with pytest.raises(module.Refusal, match="pip install nothere==1.0 nothere2==2"):
+        module.check_needs({"sparkple_nothere": "nothere==1.0", "sparkple_nothere2": "nothere2==2"})
+
+
+def test_bundle_runs_the_cpu_smoke_mode_offline(vllm_venv: Path, tmp_path: Path) -> None:
+    """make gpu-bundle's archive: under 60 MiB, its path the last line; unpacked elsewhere,
+    its gpu-check.sh --cpu-smoke passes offline, with vLLM from the archive."""
+    archive = tmp_path / "gpu-check.tar.gz"
+    cmd = [
+        sys.executable,
+        "gpu/bundle.py",
+        "build",
+        "--python",
+        str(vllm_venv),
+        "--out",
+        str(archive),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == str(archive)
+    assert archive.stat().st_size < 60 * MIB
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    root = tmp_path / "unpacked" / "sparkple-gpu-check"
+    needs = json.loads((root / "bundle" / "needs.json").read_text())
+    assert "pydantic==" in needs["pydantic"]  # pinned to its compiled core: not copied
+    assert (root / "bundle" / "site" / "transformers").is_dir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "GPU_CHECK_OUT")}
+    env.update(OFFLINE, PYTHON=str(vllm_venv))
+    proc = subprocess.run(
+        ["bash", "gpu-check.sh", "--cpu-smoke"], capture_output=True, text=True, env=env, cwd=root
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((root / "gpu-check-results" / "gpu-check.json").read_text())
+    assert report["ok"] and report["checks"]["graph"]["ok"]
+    assert report["preamble"]["vllm"] == "0.33.0"
+    assert report["preamble"]["vllm_file"].startswith(str(root / "bundle" / "vllm-src"))
+    summary = (root / "gpu-check-results" / "summary.txt").read_text().splitlines()
+    assert summary[-1] == "gpu-check: every check passed"
+    assert summary[1] == report["checks"]["graph"]["summary"][0]
