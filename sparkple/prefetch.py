@@ -36,6 +36,7 @@ from .pagecache import PAGE_SIZE, underlying_mmap
 MECHANISMS = ("process_madvise", "fadvise", "madvise")
 _IOV_MAX = 1024  # UIO_MAXIOV: the most ranges one process_madvise call accepts
 _POOL_MIN_PAGES = 4096  # below this, one thread issues faster than it hands out work
+_FAST_CHECK_ROWS = 4096  # batches up to this size first check whether all pages are recent
 # Syscalls added since Linux 5.1 have one number on every architecture.
 _SYS_PIDFD_OPEN = 434
 _SYS_PROCESS_MADVISE = 440
@@ -149,11 +150,11 @@ class _ProcessMadvise:
 @dataclass
 class PrefetchStats:
     rows: int
-    pages: int  # distinct pages the batch touches
+    pages: int  # distinct pages the batch touches (0 when not planned: "recent", "skipped")
     issued_pages: int  # pages advised (the rest were advised recently)
     ranges: int  # coalesced ranges advised
     seconds: float
-    mechanism: str
+    mechanism: str  # the one used; "recent": all pages advised recently; "skipped": too few
 
 
 class Prefetcher:
@@ -209,14 +210,28 @@ class Prefetcher:
             raise TableError("madvise prefetch needs a numpy.memmap table (no mmap object found)")
         return "fadvise" if wanted == "auto" else wanted
 
-    def _fresh_pages(self, pages: np.ndarray) -> np.ndarray:
-        if self.recent_s <= 0:
-            return pages
+    def _rotate(self) -> None:
         now = time.monotonic()
         if now - self._rotated_at >= self.recent_s:
             self._recent, self._older = self._older, self._recent
             self._recent[:] = False
             self._rotated_at = now
+
+    def _all_recent(self, ids: np.ndarray) -> bool:
+        """Whether every page of these rows was advised recently (a decode step's few hundred
+        rows on a warm table): a few vector operations instead of planning the pages."""
+        first = ids * self.row_width
+        last = (first + (self.row_width - 1)) // PAGE_SIZE
+        first //= PAGE_SIZE
+        return bool(
+            (self._recent[first] | self._older[first]).all()
+            and (self._recent[last] | self._older[last]).all()
+        )
+
+    def _fresh_pages(self, pages: np.ndarray) -> np.ndarray:
+        if self.recent_s <= 0:
+            return pages
+        self._rotate()
         new = pages[~(self._recent[pages] | self._older[pages])]
         self._recent[new] = True
         return new
@@ -231,6 +246,10 @@ class Prefetcher:
         ids = _check_ids(row_ids, self.total_rows)
         if ids.size < self.min_rows or ids.size == 0:
             return PrefetchStats(ids.size, 0, 0, 0, time.perf_counter() - t0, "skipped")
+        if self.recent_s > 0 and ids.size <= _FAST_CHECK_ROWS:
+            self._rotate()
+            if self._all_recent(ids):
+                return PrefetchStats(ids.size, 0, 0, 0, time.perf_counter() - t0, "recent")
         pages = plan_page_numbers(ids, self.row_width)
         fresh = self._fresh_pages(pages)
         starts, lengths = coalesce_pages(fresh)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .geometry import PLEGeometry
-from .ngram import row_ids
+from .ngram import row_ids, row_ids_at
 
 
 @dataclass(frozen=True)
@@ -165,30 +165,37 @@ def device_pieces(
     span: the step's token ids [span_start, span_start + len) as copied from the device;
     ngram_context: the device's per-request context [num_reqs, ngram_size - 1]. A request's
     device tokens follow its prompt tokens of this step (if any), which extend the context.
+    Segments that are adjacent in the step come back as one piece (one gather).
     """
     if not split.device_reqs.size:
         return []
     context = geometry.ngram_size - 1
     host_of = {int(r): j for j, r in enumerate(split.host_reqs.tolist())}
-    ids, bounds, ctxs = [], [0], []
+    parts, positions, pieces = [], [], []
+    flat_len, run_start, run_tokens = 0, -1, 0
     for i, start, end in zip(
         split.device_reqs.tolist(),
         split.device_starts.tolist(),
         split.device_ends.tolist(),
         strict=True,
     ):
-        ids.append(np.asarray(span[start - span_start : end - span_start], dtype=np.int64))
-        bounds.append(bounds[-1] + end - start)
-        before = np.asarray(ngram_context[i], dtype=np.int64)
+        before = ngram_context[i]
         j = host_of.get(i)
         if j is not None:  # the request's prompt tokens of this step come first
             prompt_part = split.host_ids[split.host_qsl[j] : split.host_qsl[j + 1]]
-            before = np.concatenate([before, prompt_part])
-        ctxs.append(before[before.shape[0] - context :])
-    return _pieces(
-        np.concatenate(ids),
-        np.asarray(bounds, np.int64),
-        np.stack(ctxs),
-        split.device_starts,
-        geometry,
-    )
+            before = np.concatenate([before, prompt_part])[-context:]
+        parts += [before, span[start - span_start : end - span_start]]
+        positions.append(np.arange(flat_len + context, flat_len + context + end - start))
+        flat_len += context + end - start
+        if start != run_start + run_tokens:  # not adjacent to the previous segment
+            pieces.append([start, 0])
+            run_start, run_tokens = start, 0
+        run_tokens += end - start
+        pieces[-1][1] = run_tokens
+    flat = np.concatenate(parts).astype(np.int64, copy=False)
+    rows = row_ids_at(flat, np.concatenate(positions), geometry)
+    out, taken = [], 0
+    for start, count in pieces:
+        out.append((start, rows[taken : taken + count]))
+        taken += count
+    return out

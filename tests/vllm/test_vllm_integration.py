@@ -322,3 +322,48 @@ def test_full_cuda_graph_replays_equal_pinned_host_lookup(
             "padding_zero": True,
             "rows_differ_from_previous": True,
         }
+
+
+def test_fused_decode_is_bit_identical_to_the_torch_decode(vllm_venv: Path) -> None:
+    """The forward's Triton decode (sparkple.nvfp4_triton), run by Triton's interpreter on
+    CPU, against the torch decode: NVFP4 rows with subnormal, zero and the largest E4M3 block
+    scales and FP8 rows, float32 and bfloat16, bit for bit."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"}
+    script = SCRIPT.with_name("fused_decode_check.py")
+    proc = subprocess.run([str(vllm_venv), str(script)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    cases = {k: v for k, v in result.items() if "/" in k}
+    assert len(cases) == 14  # 2 head dims x 2 dtypes x 3 global scales, FP8 x 2 dtypes
+    for case, seen in cases.items():
+        assert seen == {"shape_equal": True, "bits_equal": True, "nonzero": True}, case
+    assert result["empty_shape"] == [0, 16, 160]
+
+
+def test_gpu_host_split_check_builds_on_cpu(
+    vllm_venv: Path, vllm_originals: Path, tmp_path: Path
+) -> None:
+    """gpu_host_split.py (run on a GPU by make gpu-check) up to its first CUDA call: the step
+    shapes run through vLLM's model state; a prompt chunk alone does not sync, the others do."""
+    snapshot = synth_checkpoint(tmp_path / "snapshot", quant="nvfp4", vocab_base=2_000, files=2)
+    table = tmp_path / "table"
+    build_table(snapshot, table, quiet=True)
+    rendered = tmp_path / "rendered"
+    patch.render("vllm-0.33", vllm_originals, rendered)
+    out = tmp_path / "split.json"
+    script = SCRIPT.with_name("gpu_host_split.py")
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{SCRIPT.parent}"}
+    env.pop("SPARKPLE_PLE_TABLE_DIR", None)
+    args = [str(vllm_venv), str(script), "--cpu-smoke", str(rendered), str(out)]
+    proc = subprocess.run(
+        [*args, f"{snapshot}={table}"], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu"
+    steps = result["steps"]
+    assert list(steps) == ["prompt chunk", "decode, MTP 3", "chunk beside decodes"]
+    assert not steps["prompt chunk"]["synced"]
+    assert steps["decode, MTP 3"]["synced"] and steps["chunk beside decodes"]["synced"]
+    for seen in steps.values():
+        assert seen["before_sync_us"] > 0 and seen["after_sync_us"] >= 0
