@@ -153,6 +153,14 @@ class GatherWorker:
         self._thread = threading.Thread(target=self._run, name="sparkple-gather", daemon=True)
         self._thread.start()
         self._ready.wait()
+        # WILLNEED for rows gathered inline, issued beside the gather instead of before it
+        self._advice: queue.SimpleQueue[np.ndarray | None] = queue.SimpleQueue()
+        self._adviser: threading.Thread | None = None
+        if self.prefetcher is not None:
+            self._adviser = threading.Thread(
+                target=self._advise, name="sparkple-advise", daemon=True
+            )
+            self._adviser.start()
 
     # ---------------------------------------------------------------- producer side
 
@@ -242,7 +250,10 @@ class GatherWorker:
 
     def gather_inline(self, seq: int, pieces: list[tuple[int, Any]]) -> None:
         """Gather rows now, on the calling thread (a decode step's few hundred rows gather in
-        less time than a hand-off to the thread takes); the prefetch policy applies too."""
+        less time than a hand-off to the thread takes). Their WILLNEED goes to a helper
+        thread and the gather starts at once: on a warm table it never waits for the advice;
+        on a cold one the gather waits for its first page while the advice puts the others'
+        reads in flight (numpy's take releases the GIL)."""
         with self._lock:
             step = self._step(seq)
         checked = [(int(start), self._checked_ids(ids)) for start, ids in pieces]
@@ -252,9 +263,22 @@ class GatherWorker:
             raise ValueError(
                 f"step {seq} needs {end} token rows, the staging holds {self.max_tokens}"
             )
-        self._gather(step.slot, checked)
+        if not checked:
+            return
+        if self._adviser is not None and self._adviser.is_alive():
+            self._advice.put(np.concatenate([ids.reshape(-1) for _, ids in checked]))
+            self._gather(step.slot, checked, prefetch=False)
+        else:
+            self._gather(step.slot, checked)
         with self._lock:
             step.tokens = max(step.tokens, end)
+
+    def _advise(self) -> None:
+        while (ids := self._advice.get()) is not None:
+            try:
+                self._prefetch(ids)
+            except Exception:  # advice only: the gather faults the pages in itself
+                continue
 
     def _step(self, seq: int) -> _Step:
         step = self._held.get(seq)
@@ -262,22 +286,29 @@ class GatherWorker:
             raise HandshakeError(f"step {seq} was never submitted or is already released")
         return step
 
-    def _gather(self, slot: int, pieces: list[tuple[int, np.ndarray]]) -> PrefetchStats | None:
+    def _prefetch(self, ids: np.ndarray) -> PrefetchStats | None:
+        if self.prefetcher is None:
+            return None
+        with self._prefetch_lock:
+            stats = self.prefetcher.prefetch(ids)
+        self._count("prefetch_calls")
+        self._count("pages_prefetched", stats.issued_pages)
+        return stats
+
+    def _gather(
+        self, slot: int, pieces: list[tuple[int, np.ndarray]], *, prefetch: bool = True
+    ) -> PrefetchStats | None:
         pieces = [(start, ids) for start, ids in pieces if ids.shape[0]]
         if not pieces:
             return None
-        prefetch = None
-        if self.prefetcher is not None:
-            every = np.concatenate([ids.reshape(-1) for _, ids in pieces])
-            with self._prefetch_lock:
-                prefetch = self.prefetcher.prefetch(every)
-            self._count("prefetch_calls")
-            self._count("pages_prefetched", prefetch.issued_pages)
+        advised = None
+        if prefetch:
+            advised = self._prefetch(np.concatenate([ids.reshape(-1) for _, ids in pieces]))
         for start, ids in pieces:
             gather_rows(self.table.rows, ids, self.staging[slot, start : start + ids.shape[0]])
             self._count("rows_gathered", ids.size)
         self._count("gather_calls")
-        return prefetch
+        return advised
 
     def _run(self) -> None:
         self._publisher = Publisher(self._flag)  # this thread is the producer waiters watch
@@ -397,6 +428,9 @@ class GatherWorker:
             self._lock.notify_all()
         self._jobs.put(None)
         self._thread.join()
+        if self._adviser is not None:
+            self._advice.put(None)
+            self._adviser.join()
         if self.prefetcher is not None and self._own_prefetcher:
             self.prefetcher.close()
         self._flag.close()
