@@ -218,7 +218,8 @@ def write_plot(result: dict[str, Any], json_path: Path) -> str | None:
             ax.plot(np.arange(crit.size), np.maximum(crit, 1e-3), style, ms=3, label=design)
         ax.set_yscale("log")
         ax.set_title(f"{temp} table")
-        ax.set_xlabel("step (8 prompt chunks, then decode steps)")
+        rounds = "" if temp == "cold" else "each warm round: "
+        ax.set_xlabel(f"step ({rounds}8 prompt chunks, then decode steps)")
         ax.grid(True, alpha=0.3)
     axes[0].set_ylabel("host critical path, ms (log)")
     axes[0].legend()
