@@ -21,6 +21,7 @@ cd "$root"
 # tests) is stopped after GPU_CHECK_TIMEOUT_S (default 200), so a run stays within 8 minutes.
 checks=(
     "graph tests/vllm/gpu_graph_check.py"
+    "host_split tests/vllm/gpu_host_split.py"
 )
 limit=${GPU_CHECK_TIMEOUT_S:-200}
 

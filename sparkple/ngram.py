@@ -63,20 +63,33 @@ def row_ids(
     seg_start = qsl[:-1] + c * np.arange(r, dtype=np.int64)
     flat[tok_pos] = ids
     flat[(seg_start[:, None] + np.arange(c)).reshape(-1)] = ctx[:r].reshape(-1)
-    # Last EOS at or before each position; a request start resets it to start - 1.
-    idx = np.arange(flat.shape[0], dtype=np.int64)
-    marker = np.where(flat == geometry.eos_token_id, idx, -1)
-    marker[seg_start] = np.maximum(marker[seg_start], seg_start - 1)
-    last_eos = np.maximum.accumulate(marker)
-    prev_eos = last_eos[tok_pos - 1]  # last EOS strictly before the token
-    return _mix(
-        ids,
-        [
-            np.where(tok_pos - k > prev_eos, flat[tok_pos - k], geometry.eos_token_id)
-            for k in range(1, n)
-        ],
-        geometry,
-    )
+    return row_ids_at(flat, tok_pos, geometry)
+
+
+def row_ids_at(flat: np.ndarray, positions: np.ndarray, geometry: PLEGeometry) -> np.ndarray:
+    """Row ids of the tokens flat[positions], int64[T, num_heads], where each token has its
+    request's ngram_size - 1 preceding tokens (its context) right before it in `flat`."""
+    flat = np.asarray(flat, dtype=np.int64)
+    n = geometry.ngram_size
+    preds = _predecessors(flat, positions, n, geometry.eos_token_id)
+    return _mix(flat[positions], preds, geometry)
+
+
+def _predecessors(flat: np.ndarray, tok_pos: np.ndarray, n: int, eos: int) -> list[np.ndarray]:
+    """t1..t(n-1) of each token, EOS past the first EOS met going back.
+
+    Every token has its request's n - 1 context tokens before it in `flat`, so going back
+    k <= n - 1 positions never leaves its request: predecessor k is EOS exactly when one of
+    t1..t(k-1) is an EOS (the n-gram never reaches back across one).
+    """
+    preds = []
+    seen = np.zeros(tok_pos.shape[0], dtype=bool)
+    for k in range(1, n):
+        prev = flat[tok_pos - k]
+        preds.append(np.where(seen, eos, prev))
+        if k < n - 1:
+            seen |= prev == eos
+    return preds
 
 
 def _mix(t0: np.ndarray, preds: list[np.ndarray], g: PLEGeometry) -> np.ndarray:

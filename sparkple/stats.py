@@ -45,6 +45,9 @@ COUNTERS: tuple[str, ...] = (
     "pages_prefetched",  # pages covered by WILLNEED advice
     "prefetch_calls",  # prefetch batches issued
     "staging_overruns",  # a batch did not fit the staging buffer and was split or refused
+    "lookahead_pages_advised",  # pages of later prompt chunks advised ahead of their step
+    "lookahead_pages_used",  # of those, pages whose chunk a step then gathered
+    "lookahead_pages_wasted",  # of those, pages of requests removed before their chunk ran
 )
 # Handshake wait bounds, seconds: from a spin that finds the flag set to the step timeout.
 WAIT_BOUNDS_S: tuple[float, ...] = (

@@ -5,11 +5,20 @@ Producer side (the model runner, a layer ahead of the PLE layer):
 Consumer side (the PLE layer):
     rows = worker.wait(seq)          # uint8[T, H, row_width] view of a staging slot
     worker.upload(seq, rows, out)    # asynchronous copy into a device buffer (or decode(...))
-    worker.release(seq)              # the slot may be refilled (waits for that copy)
+    worker.release(seq)              # the slot goes back; refilled once that copy completed
 
-For each step the thread computes the row ids (sparkple.ngram), prefetches their pages,
-gathers the rows into a free staging slot and then publishes seq through the handshake. With
-two slots, step N+1 is gathered while step N's rows are still being consumed.
+A step may also be filled in pieces, each at its own token offset of the step's slot:
+    worker.open_step(seq)                      # reserve a slot
+    worker.submit_pieces(seq, [(start, ids)])  # gathered by the thread, in the background
+    worker.gather_inline(seq, [(start, ids)])  # gathered now, on the calling thread
+    rows = worker.wait(seq, tokens)            # every background piece of seq is in
+
+For each piece the thread computes the row ids (sparkple.ngram) where it was given tokens,
+prefetches their pages, gathers the rows into the step's staging slot and then publishes the
+piece's ticket through the handshake. A slot is handed out again only after the device copy
+that read it last has completed (a CUDA event per slot), so a copy the stream has not run yet
+is never overwritten. With asynchronous scheduling a runner has two steps in flight while it
+prepares a third: three slots never wait.
 """
 
 from __future__ import annotations
@@ -39,10 +48,18 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class _Job:
+class _Step:
     seq: int
     slot: int
-    row_ids: np.ndarray | None = None
+    tokens: int = 0  # staged token rows: the end of the furthest piece
+    ticket: int = 0  # handshake ticket of the step's last background piece (0: none)
+
+
+@dataclass
+class _Job:
+    step: _Step
+    ticket: int
+    pieces: list[tuple[int, np.ndarray]] | None = None  # (token offset, row ids [T, H])
     tokens: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
@@ -123,16 +140,27 @@ class GatherWorker:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Condition()
         self._free = list(range(slots))
-        self._held: dict[int, _Job] = {}  # seq -> job, from submit until release
-        self._done: dict[int, StepInfo] = {}
-        self._events: dict[int, Any] = {}  # seq -> CUDA event of an in-flight device copy
+        self._held: dict[int, _Step] = {}  # seq -> step, from submit until release
+        self._done: dict[int, StepInfo] = {}  # ticket -> what the thread did
+        # slot -> CUDA event of the last device copy that read it (None: nothing in flight)
+        self._slot_events: list[Any] = [None] * slots
+        self._prefetch_lock = threading.Lock()  # the prefetcher is used from two threads
         self._last_submitted = 0
+        self._tickets = 0
         self._closed = False
         self._publisher: Publisher | None = None
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sparkple-gather", daemon=True)
         self._thread.start()
         self._ready.wait()
+        # WILLNEED for rows gathered inline, issued beside the gather instead of before it
+        self._advice: queue.SimpleQueue[np.ndarray | None] = queue.SimpleQueue()
+        self._adviser: threading.Thread | None = None
+        if self.prefetcher is not None:
+            self._adviser = threading.Thread(
+                target=self._advise, name="sparkple-advise", daemon=True
+            )
+            self._adviser.start()
 
     # ---------------------------------------------------------------- producer side
 
@@ -152,21 +180,29 @@ class GatherWorker:
             np.array(query_start_loc, dtype=np.int64).reshape(-1),
             np.array(ngram_context, dtype=np.int64),
         )
-        self._enqueue(seq, ids.shape[0], timeout_s, tokens=tokens)
+        self.open_step(seq, timeout_s=timeout_s, tokens=ids.shape[0])
+        self._queue(seq, tokens=tokens, end=ids.shape[0])
 
     def submit_row_ids(self, seq: int, row_ids: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S):
         """Queue step `seq` with precomputed row ids int64[T, num_heads]."""
-        ids = np.array(row_ids, dtype=np.int64)
+        ids = self._checked_ids(row_ids)
+        self.open_step(seq, timeout_s=timeout_s, tokens=ids.shape[0])
+        self.submit_pieces(seq, [(0, ids)])
+
+    def _checked_ids(self, row_ids: Any) -> np.ndarray:
+        ids = np.asarray(row_ids, dtype=np.int64)
         if ids.ndim != 2 or ids.shape[1] != self.geometry.num_heads:
             want = f"[tokens, {self.geometry.num_heads}]"
             raise ValueError(f"row ids must be {want}, got {list(ids.shape)}")
-        self._enqueue(seq, ids.shape[0], timeout_s, row_ids=ids)
+        return ids
 
-    def _enqueue(self, seq: int, count: int, timeout_s: float, **work: Any) -> None:
-        if count > self.max_tokens:
+    def open_step(self, seq: int, *, timeout_s: float = DEFAULT_TIMEOUT_S, tokens: int = 0):
+        """Reserve a staging slot for step `seq` (its pieces follow); waits for a free slot,
+        and for the device copy that read that slot last."""
+        if tokens > self.max_tokens:
             self._count("staging_overruns")
             raise ValueError(
-                f"step {seq} has {count} tokens, the staging holds {self.max_tokens}: "
+                f"step {seq} has {tokens} tokens, the staging holds {self.max_tokens}: "
                 "raise max_tokens to the scheduler's max_num_batched_tokens"
             )
         with self._lock:
@@ -185,34 +221,112 @@ class GatherWorker:
                 )
             if self._closed:
                 raise HandshakeError("the gather worker is closed")
-            job = _Job(seq, self._free.pop(0), **work)
-            self._held[seq] = job
+            slot = self._free.pop(0)
+            event, self._slot_events[slot] = self._slot_events[slot], None
+            self._held[seq] = _Step(seq, slot)
             self._last_submitted = seq
+        if event is not None:
+            event.synchronize()  # the copy of an earlier step still reads this slot
+
+    def submit_pieces(self, seq: int, pieces: list[tuple[int, Any]]) -> None:
+        """Queue rows for the gather thread: each piece's row ids land at its token offset."""
+        checked = [(int(start), self._checked_ids(ids)) for start, ids in pieces]
+        end = max((start + ids.shape[0] for start, ids in checked), default=0)
+        self._queue(seq, pieces=checked, end=end)
+
+    def _queue(self, seq: int, *, end: int, **work: Any) -> None:
+        if end > self.max_tokens:
+            self._count("staging_overruns")
+            raise ValueError(
+                f"step {seq} needs {end} token rows, the staging holds {self.max_tokens}"
+            )
+        with self._lock:
+            step = self._step(seq)
+            self._tickets += 1
+            step.ticket = self._tickets
+            step.tokens = max(step.tokens, end)
+            job = _Job(step, self._tickets, **work)
         self._jobs.put(job)
+
+    def gather_inline(self, seq: int, pieces: list[tuple[int, Any]]) -> None:
+        """Gather rows now, on the calling thread (a decode step's few hundred rows gather in
+        less time than a hand-off to the thread takes). Their WILLNEED goes to a helper
+        thread and the gather starts at once: on a warm table it never waits for the advice;
+        on a cold one the gather waits for its first page while the advice puts the others'
+        reads in flight (numpy's take releases the GIL)."""
+        with self._lock:
+            step = self._step(seq)
+        checked = [(int(start), self._checked_ids(ids)) for start, ids in pieces]
+        end = max((start + ids.shape[0] for start, ids in checked), default=0)
+        if end > self.max_tokens:
+            self._count("staging_overruns")
+            raise ValueError(
+                f"step {seq} needs {end} token rows, the staging holds {self.max_tokens}"
+            )
+        if not checked:
+            return
+        if self._adviser is not None and self._adviser.is_alive():
+            self._advice.put(np.concatenate([ids.reshape(-1) for _, ids in checked]))
+            self._gather(step.slot, checked, prefetch=False)
+        else:
+            self._gather(step.slot, checked)
+        with self._lock:
+            step.tokens = max(step.tokens, end)
+
+    def _advise(self) -> None:
+        while (ids := self._advice.get()) is not None:
+            try:
+                self._prefetch(ids)
+            except Exception:  # advice only: the gather faults the pages in itself
+                continue
+
+    def _step(self, seq: int) -> _Step:
+        step = self._held.get(seq)
+        if step is None:
+            raise HandshakeError(f"step {seq} was never submitted or is already released")
+        return step
+
+    def _prefetch(self, ids: np.ndarray) -> PrefetchStats | None:
+        if self.prefetcher is None:
+            return None
+        with self._prefetch_lock:
+            stats = self.prefetcher.prefetch(ids)
+        self._count("prefetch_calls")
+        self._count("pages_prefetched", stats.issued_pages)
+        return stats
+
+    def _gather(
+        self, slot: int, pieces: list[tuple[int, np.ndarray]], *, prefetch: bool = True
+    ) -> PrefetchStats | None:
+        pieces = [(start, ids) for start, ids in pieces if ids.shape[0]]
+        if not pieces:
+            return None
+        advised = None
+        if prefetch:
+            advised = self._prefetch(np.concatenate([ids.reshape(-1) for _, ids in pieces]))
+        for start, ids in pieces:
+            gather_rows(self.table.rows, ids, self.staging[slot, start : start + ids.shape[0]])
+            self._count("rows_gathered", ids.size)
+        self._count("gather_calls")
+        return advised
 
     def _run(self) -> None:
         self._publisher = Publisher(self._flag)  # this thread is the producer waiters watch
         self._ready.set()
         while (job := self._jobs.get()) is not None:
-            info = StepInfo(job.seq, job.slot, 0, None)
+            info = StepInfo(job.step.seq, job.step.slot, 0, None)
             try:
-                ids = job.row_ids
-                if ids is None:
+                pieces = job.pieces
+                if pieces is None:
                     assert job.tokens is not None
-                    ids = compute_row_ids(*job.tokens, self.geometry)
-                info.tokens = ids.shape[0]
-                if self.prefetcher is not None:
-                    info.prefetch = self.prefetcher.prefetch(ids)
-                    self._count("prefetch_calls")
-                    self._count("pages_prefetched", info.prefetch.issued_pages)
-                gather_rows(self.table.rows, ids, self.staging[job.slot, : ids.shape[0]])
-                self._count("gather_calls")
-                self._count("rows_gathered", ids.size)
+                    pieces = [(0, compute_row_ids(*job.tokens, self.geometry))]
+                info.tokens = sum(ids.shape[0] for _, ids in pieces)
+                info.prefetch = self._gather(job.step.slot, pieces)
             except Exception as exc:  # handed to the consumer of this step
                 info.error = exc
             with self._lock:
-                self._done[job.seq] = info
-            self._publisher.publish(job.seq)
+                self._done[job.ticket] = info
+            self._publisher.publish(job.ticket)
         self._publisher.close()
 
     def _count(self, name: str, amount: int = 1) -> None:
@@ -221,28 +335,37 @@ class GatherWorker:
 
     # ---------------------------------------------------------------- consumer side
 
-    def wait(self, seq: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> np.ndarray:
-        """The staged rows of step `seq` (uint8[T, H, row_width]) once they are complete.
+    def wait(
+        self, seq: int, timeout_s: float = DEFAULT_TIMEOUT_S, tokens: int | None = None
+    ) -> np.ndarray:
+        """The staged rows of step `seq` (uint8[T, H, row_width]) once every background piece
+        of it is in; T is `tokens`, or the end of its furthest piece.
 
         Raises HandshakeTimeout, ProducerDied, or the error the worker hit on this step.
         """
         with self._lock:
-            job = self._held.get(seq)
-        if job is None:
-            raise HandshakeError(f"step {seq} was never submitted or is already released")
-        started = time.monotonic()
-        self._waiter.wait(seq, timeout_s)
-        if self.stats is not None:
-            self.stats.observe_wait(time.monotonic() - started)
-        with self._lock:
-            info = self._done[seq]
-        if info.error is not None:
-            raise info.error
-        return self.staging[job.slot, : info.tokens]
+            step = self._step(seq)
+            ticket = step.ticket
+        if ticket:
+            started = time.monotonic()
+            self._waiter.wait(ticket, timeout_s)
+            if self.stats is not None:
+                self.stats.observe_wait(time.monotonic() - started)
+            with self._lock:
+                # the thread runs jobs in order: every earlier ticket of this step is done too
+                errors = [
+                    info.error
+                    for info in self._done.values()
+                    if info.seq == seq and info.error is not None
+                ]
+            if errors:
+                raise errors[0]
+        return self.staging[step.slot, : step.tokens if tokens is None else tokens]
 
     def info(self, seq: int) -> StepInfo:
+        """What the thread did for step `seq`'s last background piece."""
         with self._lock:
-            return self._done[seq]
+            return self._done[self._step(seq).ticket]
 
     def decode(self, seq: int, rows: np.ndarray, device: Any = "cpu", dtype: Any = None):
         """Copy a waited step's rows to `device` and decode them there: float[T, H, head_dim].
@@ -259,10 +382,7 @@ class GatherWorker:
         dev = torch.device(device)
         packed = host.to(dev, non_blocking=self._pinned is not None)
         if dev.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-            with self._lock:
-                self._events[seq] = event
+            self._copied(seq)
         meta = self.table.meta
         if meta.quant == "nvfp4":
             return dequantize_rows_torch(packed, meta.global_scale, meta.head_dim, dtype=dtype)
@@ -277,23 +397,27 @@ class GatherWorker:
         target = out[: host.shape[0]]
         target.copy_(host.view(target.shape), non_blocking=self._pinned is not None)
         if target.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-            with self._lock:
-                self._events[seq] = event
+            self._copied(seq)
+
+    def _copied(self, seq: int) -> None:
+        """Mark the device copy just queued from step `seq`'s slot (an event on its stream)."""
+        import torch
+
+        event = torch.cuda.Event()
+        event.record()
+        with self._lock:
+            self._slot_events[self._step(seq).slot] = event
 
     def release(self, seq: int) -> None:
-        """Give step `seq`'s staging slot back to the worker."""
+        """Give step `seq`'s staging slot back, without waiting: the slot is handed out again
+        only after the device copy that read it has completed."""
         with self._lock:
-            job = self._held.pop(seq, None)
-            event = self._events.pop(seq, None)
-            self._done.pop(seq, None)
-        if job is None:
-            raise HandshakeError(f"release({seq}): step {seq} is not held")
-        if event is not None:
-            event.synchronize()  # the device copy still reads the slot
-        with self._lock:
-            self._free.append(job.slot)
+            step = self._held.pop(seq, None)
+            if step is None:
+                raise HandshakeError(f"release({seq}): step {seq} is not held")
+            for ticket in [t for t, info in self._done.items() if info.seq == seq]:
+                del self._done[ticket]
+            self._free.append(step.slot)
             self._lock.notify_all()
 
     def close(self) -> None:
@@ -304,6 +428,9 @@ class GatherWorker:
             self._lock.notify_all()
         self._jobs.put(None)
         self._thread.join()
+        if self._adviser is not None:
+            self._advice.put(None)
+            self._adviser.join()
         if self.prefetcher is not None and self._own_prefetcher:
             self.prefetcher.close()
         self._flag.close()

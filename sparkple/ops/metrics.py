@@ -47,6 +47,9 @@ STATS_HELP = {
     "pages_prefetched": "table pages covered by WILLNEED prefetch advice",
     "prefetch_calls": "prefetch batches",
     "staging_overruns": "batches that did not fit the staging buffer",
+    "lookahead_pages_advised": "table pages of later prompt chunks advised ahead of their step",
+    "lookahead_pages_used": "lookahead pages whose prompt chunk a step then gathered",
+    "lookahead_pages_wasted": "lookahead pages of requests removed before their chunk ran",
 }
 
 

@@ -111,8 +111,10 @@ def test_recently_advised_pages_are_skipped(cold_table):
     ids = np.random.default_rng(5).integers(0, table.rows.shape[0], (64, 16))
     first = pf.prefetch(ids)
     assert first.issued_pages == first.pages > 0
-    again = pf.prefetch(ids)
-    assert again.pages == first.pages and again.issued_pages == 0
+    again = pf.prefetch(ids)  # every page recent: found without planning the pages
+    assert again.issued_pages == 0 and again.mechanism == "recent"
+    one_new = pf.prefetch(np.concatenate([ids.reshape(-1), [table.rows.shape[0] - 1]]))
+    assert one_new.pages == first.pages + 1 and one_new.issued_pages == 1
     pf.forget()
     assert pf.prefetch(ids).issued_pages == first.pages
     never_skip = Prefetcher(table, recent_s=0)

@@ -99,14 +99,14 @@ def test_variables_are_rendered_and_validated(originals: Path, tmp_path: Path) -
         PROFILE,
         originals,
         out,
-        {"spin_us": "10", "prefetch_policy": "never", "step_timeout_s": "42.5"},
+        {"lookahead_mib": "64", "prefetch_policy": "never", "step_timeout_s": "42.5"},
     )
     added = (out / ADDED).read_text()
-    assert "SPIN_S = 1e-05\n" in added
+    assert "LOOKAHEAD_BYTES = 64 * 2**20\n" in added
     assert 'PREFETCH_POLICY = "never"\n' in added
     assert "DEFAULT_STEP_TIMEOUT_S = 42.5\n" in added
     bad = {
-        "spin_us": "lots",
+        "lookahead_mib": "lots",
         "staging_slots": "0",
         "prefetch_policy": "sometimes",
         "step_timeout_s": "-1",
@@ -244,7 +244,7 @@ def test_cli_exit_codes(originals: Path, tmp_path: Path, capsys: pytest.CaptureF
     assert main([*args, "--out", str(tmp_path / "refused")]) == 1
     assert "does not match the pinned" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()
-    assert main([*args, "--out", str(tmp_path / "o2"), "--var", "spin_us"]) == 1
+    assert main([*args, "--out", str(tmp_path / "o2"), "--var", "lookahead_mib"]) == 1
     assert main([*args, "--out", str(tmp_path / "o3"), "--profile", "vllm-9.99"]) == 1
     with pytest.raises(SystemExit) as usage:
         main(["patch", "render", "--profile", PROFILE])

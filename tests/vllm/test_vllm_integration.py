@@ -16,6 +16,7 @@ from sparkple.synth import synth_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "ple_equivalence.py"
+LOOKAHEAD_MIB = 2
 
 
 def run_equivalence(vllm_venv: Path, vllm_originals: Path, work: Path, device: str) -> dict:
@@ -30,7 +31,8 @@ def run_equivalence(vllm_venv: Path, vllm_originals: Path, work: Path, device: s
         build_table(snapshot, table, quiet=True)
         cases.append(f"{snapshot}={table}")
     rendered = work / "rendered"
-    patch.render("vllm-0.33", vllm_originals, rendered)
+    # a 2 MiB lookahead window (512 pages): the test's long prompts span many windows
+    patch.render("vllm-0.33", vllm_originals, rendered, {"lookahead_mib": str(LOOKAHEAD_MIB)})
     result_path = work / "result.json"
     # sparkple comes from this checkout, as the serving container's PYTHONPATH mount provides it
     # and the PLE counters go where the service mounts its stats directory
@@ -131,24 +133,21 @@ def test_host_buffers_stay_on_the_cpu_in_another_device_context(equivalence: dic
 
 def test_in_forward_path_compiles_as_one_graph(equivalence: dict, equivalence_fp8: dict) -> None:
     # torch.compile(fullgraph=True) raises on any graph break or host synchronization: what
-    # the forward runs of the backend is device work a CUDA graph can capture
-    assert equivalence["compiled_steps"] == [True, True]
-    assert equivalence_fp8["compiled_steps"] == [True, True]
+    # the forward runs of the backend is device work a CUDA graph can capture, for a
+    # prefill-shaped and a decode-shaped step, both dtypes
+    for result in (equivalence, equivalence_fp8):
+        assert result["compiled_steps"] == {
+            "mixed prefill": [True, True],
+            "uniform decode": [True, True],
+        }
 
 
 def test_steps_through_vllms_model_state_equal_stock(equivalence: dict) -> None:
     """Every step built by vLLM's Qwen4ExpModelState.prepare_inputs, with the host step it runs:
     chunked prefill, decode, padding, draft verification and a rejection."""
-    assert equivalence["step_names"][:6] == [
-        "mixed prefill",
-        "chunk and decode",
-        "uniform decode",
-        "verify drafts",
-        "after rejection",
-        "whole",
-    ]
+    assert equivalence["step_names"][:11] == STEP_NAMES
     for dtype in ("float32", "bfloat16"):
-        assert equivalence[f"{dtype}_steps"] == 52
+        assert equivalence[f"{dtype}_steps"] == 57
         assert equivalence[f"{dtype}_nonzero"]
         # bit-identical to the arithmetic of vLLM's Triton lookup kernel, in both dtypes
         assert all(equivalence[f"{dtype}_identical_to_kernel_order"])
@@ -159,6 +158,48 @@ def test_steps_through_vllms_model_state_equal_stock(equivalence: dict) -> None:
     # and (on this data) equal once rounded to bfloat16
     assert equivalence["float32_max_rel_diff"] <= 2.0**-23
     assert equivalence["bfloat16_max_rel_diff"] <= 2.0**-8
+
+
+STEP_NAMES = [
+    "mixed prefill",
+    "chunk and decode",
+    "uniform decode",
+    "verify drafts",
+    "after rejection",
+    "prompt, decode and drafts",
+    "after a removed prompt",
+    "re-added prompt",
+    "prompt tail and decode",
+    "long prompt decodes",
+    "whole",
+]
+
+
+def test_prompt_only_steps_never_wait_for_the_device(equivalence: dict) -> None:
+    """The rows of prompt tokens come from the prompts the model state keeps: a step of
+    prompt tokens alone copies nothing from the device and waits for nothing; a step with a
+    decode token or MTP drafts waits once, for those."""
+    synced = dict(zip(equivalence["step_names"], equivalence["synced_steps"], strict=False))
+    by_step = equivalence["synced_steps"]
+    assert not by_step[0]  # mixed prefill: three prompt chunks
+    assert not by_step[10]  # a whole 300-token prompt
+    assert by_step[11:13] == [False, False]  # its two 128-token chunks
+    assert all(by_step[13:])  # then one decode token a step
+    for name in STEP_NAMES[1:10]:  # every step with decode tokens or drafts
+        assert synced[name], name
+
+
+def test_lookahead_advises_later_chunks_within_its_window(equivalence: dict) -> None:
+    """Prompts longer than the window are advised granule by granule as their chunks run;
+    the removed prompt's advice that no step reached is counted as wasted."""
+    look = equivalence["lookahead"]
+    assert look["window_pages"] == LOOKAHEAD_MIB * 2**20 // 4096
+    assert 0 < look["peak_pages"] <= look["window_pages"]
+    assert look["advised"] > look["window_pages"]  # the window moved on, more than once
+    assert look["used"] > 0 and look["wasted"] > 0
+    assert look["used"] + look["wasted"] <= look["advised"]
+    # the removed request's prompt is gone; the others stay until vLLM removes them
+    assert look["prompts_held"] == sorted(["r0", "r1", "r2", "r3", "r4", "r5", "whole", "chunked"])
 
 
 def test_fp8_table_equals_stock(equivalence_fp8: dict) -> None:
@@ -210,7 +251,9 @@ def test_patched_backend_exports_its_ple_counters(equivalence: dict) -> None:
     snapshot = parse(written[0].read_text())
     assert snapshot["counters"]["rows_gathered"] > 0
     assert snapshot["counters"]["gather_calls"] > 0
-    assert snapshot["handshake_wait_seconds"]["count"] == snapshot["counters"]["gather_calls"]
+    # one wait per step with rows for the gather thread; decode rows are gathered inline
+    waits = snapshot["handshake_wait_seconds"]["count"]
+    assert 0 < waits < snapshot["counters"]["gather_calls"]
 
 
 def test_sparkple_row_ids_equal_vllm_compute_ngram_ids(equivalence: dict) -> None:
@@ -243,3 +286,49 @@ def test_cuda_path_equals_vllms_triton_kernel(
         assert all(result["bfloat16_identical"]), result["bfloat16_max_abs_diff"]
         assert result["float32_chunked_equals_whole"]
         assert result["dummy_outputs_zero"] == [True, True]
+
+
+def test_fused_decode_is_bit_identical_to_the_torch_decode(vllm_venv: Path) -> None:
+    """The forward's Triton decode (sparkple.nvfp4_triton), run by Triton's interpreter on
+    CPU, against the torch decode: NVFP4 rows with subnormal, zero and the largest E4M3 block
+    scales and FP8 rows, float32 and bfloat16, bit for bit."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"}
+    script = SCRIPT.with_name("fused_decode_check.py")
+    proc = subprocess.run([str(vllm_venv), str(script)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    cases = {k: v for k, v in result.items() if "/" in k}
+    assert len(cases) == 14  # 2 head dims x 2 dtypes x 3 global scales, FP8 x 2 dtypes
+    for case, seen in cases.items():
+        assert seen == {"shape_equal": True, "bits_equal": True, "nonzero": True}, case
+    assert result["empty_shape"] == [0, 16, 160]
+
+
+def test_gpu_host_split_check_builds_on_cpu(
+    vllm_venv: Path, vllm_originals: Path, tmp_path: Path
+) -> None:
+    """gpu_host_split.py (run on a GPU by make gpu-check) up to its first CUDA call: the step
+    shapes run through vLLM's model state; a prompt chunk alone does not sync, the others do."""
+    snapshot = synth_checkpoint(tmp_path / "snapshot", quant="nvfp4", vocab_base=2_000, files=2)
+    table = tmp_path / "table"
+    build_table(snapshot, table, quiet=True)
+    rendered = tmp_path / "rendered"
+    patch.render("vllm-0.33", vllm_originals, rendered)
+    out = tmp_path / "split.json"
+    script = SCRIPT.with_name("gpu_host_split.py")
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{SCRIPT.parent}"}
+    env.pop("SPARKPLE_PLE_TABLE_DIR", None)
+    args = [str(vllm_venv), str(script), "--cpu-smoke", str(rendered), str(out)]
+    proc = subprocess.run(
+        [*args, f"{snapshot}={table}"], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu"
+    assert result["ok"], result["summary"]
+    steps = result["steps"]
+    assert list(steps) == ["prompt chunk", "decode, MTP 3", "chunk beside decodes"]
+    assert not steps["prompt chunk"]["synced"]
+    assert steps["decode, MTP 3"]["synced"] and steps["chunk beside decodes"]["synced"]
+    for seen in steps.values():
+        assert seen["before_sync_us"] > 0 and seen["after_sync_us"] >= 0

@@ -1,0 +1,201 @@
+"""Which of a step's PLE rows the host can compute before the device sync, and which it cannot.
+
+A V2-runner step lays its requests' tokens out by `query_start_loc`. A request still in its
+prefill schedules prompt tokens at positions `computed .. computed + n`; the runner fills them
+from the prompt it was handed when the request was added (`prefill_token_ids`), and their
+n-gram context (the ngram_size - 1 tokens before `computed`) lies inside that prompt too. So
+every token at a position below the request's prefill length, other than a draft slot, is known
+on the host before the step's device work has run. The rest (the sampled token and MTP drafts
+of decoding requests, a prompt's tail slots past its prefill length) exist only on the device.
+
+`split_step` plans the step from the host's own batch description; `host_pieces` and
+`device_pieces` turn each half into row-id pieces `(token offset, int64[T, num_heads])` that the
+gather writes at that offset of the step's staging slot. Row ids are computed per piece with
+`sparkple.ngram.row_ids` on a compact layout (each segment with its own context), which hashes
+a token exactly as the whole batch would: a token's ids depend only on itself and the
+ngram_size - 1 tokens before it in its request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .geometry import PLEGeometry
+from .ngram import row_ids, row_ids_at
+
+
+@dataclass(frozen=True)
+class StepSplit:
+    """A step's tokens by where their ids come from.
+
+    host_*: one segment per request with prompt tokens this step (its first tokens): the
+      tokens, their compact boundaries, each segment's context and its offset in the step.
+    device_*: per request with tokens only the device has: its batch index and the
+      [start, end) offsets of those tokens (always the request's last ones).
+    """
+
+    num_reqs: int
+    num_real: int  # query_start_loc[num_reqs]: tokens past it are padding
+    query_start_loc: np.ndarray  # int64[num_reqs + 1], the host's layout
+    host_ids: np.ndarray
+    host_qsl: np.ndarray
+    host_ctx: np.ndarray
+    host_starts: np.ndarray
+    host_reqs: np.ndarray  # batch index of each host segment
+    device_reqs: np.ndarray
+    device_starts: np.ndarray
+    device_ends: np.ndarray
+    # The host's layout may differ from the device's (adaptive draft verification moves
+    # request boundaries on the device): True when drafts were scheduled this step.
+    layout_from_device: bool
+
+    @property
+    def needs_device(self) -> bool:
+        """Whether any token id (or the layout) has to come from the device."""
+        return self.device_reqs.size > 0 or self.layout_from_device
+
+    @property
+    def host_tokens(self) -> int:
+        return int(self.host_ids.shape[0])
+
+    def device_span(self) -> tuple[int, int]:
+        """The smallest [lo, hi) of the step's tokens that holds every device token."""
+        if not self.device_reqs.size:
+            return 0, 0
+        return int(self.device_starts.min()), int(self.device_ends.max())
+
+
+def _context(prompt: np.ndarray, end: int, context: int, eos: int) -> np.ndarray:
+    """The `context` prompt tokens before position `end`, EOS where none exists (as vLLM)."""
+    out = np.full(context, eos, dtype=np.int64)
+    first = end - context
+    take = prompt[max(first, 0) : end]
+    out[context - take.shape[0] :] = take
+    return out
+
+
+def split_step(
+    query_start_loc: np.ndarray,
+    num_reqs: int,
+    prompts: list[np.ndarray | None],
+    computed: np.ndarray,
+    prefill_len: np.ndarray,
+    is_prefilling: np.ndarray,
+    num_draft_tokens: np.ndarray | None,
+    geometry: PLEGeometry,
+) -> StepSplit:
+    """Plan a step from the runner's host-side batch (all arrays in batch order).
+
+    prompts[i]: request i's prefill tokens as the runner was handed them, or None when
+    unknown (all of its tokens then come from the device). computed: the prefill tokens
+    computed before this step (the runner's num_computed_prefill_tokens).
+    """
+    qsl = np.asarray(query_start_loc[: num_reqs + 1], dtype=np.int64)
+    context = geometry.ngram_size - 1
+    eos = geometry.eos_token_id
+    ids, bounds, ctxs, starts, host_reqs = [], [0], [], [], []
+    dev_reqs, dev_starts, dev_ends = [], [], []
+    for i in range(num_reqs):
+        start, end = int(qsl[i]), int(qsl[i + 1])
+        count = end - start
+        if count <= 0:
+            continue
+        host = 0
+        prompt = prompts[i]
+        if prompt is not None and bool(is_prefilling[i]):
+            done = int(computed[i])
+            drafts = 0 if num_draft_tokens is None else int(num_draft_tokens[i])
+            length = min(int(prefill_len[i]), prompt.shape[0])
+            host = max(0, min(count - drafts, length - done))
+            if host:
+                ids.append(prompt[done : done + host])
+                bounds.append(bounds[-1] + host)
+                ctxs.append(_context(prompt, done, context, eos))
+                starts.append(start)
+                host_reqs.append(i)
+        if host < count:
+            dev_reqs.append(i)
+            dev_starts.append(start + host)
+            dev_ends.append(end)
+
+    def array(values: list[int]) -> np.ndarray:
+        return np.asarray(values, dtype=np.int64)
+
+    return StepSplit(
+        num_reqs=num_reqs,
+        num_real=int(qsl[-1]),
+        query_start_loc=qsl,
+        host_ids=np.concatenate(ids).astype(np.int64) if ids else np.empty(0, np.int64),
+        host_qsl=array(bounds),
+        host_ctx=np.stack(ctxs) if ctxs else np.empty((0, context), np.int64),
+        host_starts=array(starts),
+        host_reqs=array(host_reqs),
+        device_reqs=array(dev_reqs),
+        device_starts=array(dev_starts),
+        device_ends=array(dev_ends),
+        layout_from_device=num_draft_tokens is not None,
+    )
+
+
+def _pieces(
+    ids: np.ndarray, qsl: np.ndarray, ctx: np.ndarray, starts: np.ndarray, geometry: PLEGeometry
+) -> list[tuple[int, np.ndarray]]:
+    if not ids.shape[0]:
+        return []
+    rows = row_ids(ids, qsl, ctx, geometry)
+    return [(int(start), rows[qsl[j] : qsl[j + 1]]) for j, start in enumerate(starts.tolist())]
+
+
+def host_pieces(split: StepSplit, geometry: PLEGeometry) -> list[tuple[int, np.ndarray]]:
+    """Row ids of the step's prompt tokens, one piece per request, at their step offsets."""
+    return _pieces(split.host_ids, split.host_qsl, split.host_ctx, split.host_starts, geometry)
+
+
+def device_pieces(
+    split: StepSplit,
+    span: np.ndarray,
+    span_start: int,
+    ngram_context: np.ndarray,
+    geometry: PLEGeometry,
+) -> list[tuple[int, np.ndarray]]:
+    """Row ids of the tokens only the device had, from the copy of its tokens.
+
+    span: the step's token ids [span_start, span_start + len) as copied from the device;
+    ngram_context: the device's per-request context [num_reqs, ngram_size - 1]. A request's
+    device tokens follow its prompt tokens of this step (if any), which extend the context.
+    Segments that are adjacent in the step come back as one piece (one gather).
+    """
+    if not split.device_reqs.size:
+        return []
+    context = geometry.ngram_size - 1
+    host_of = {int(r): j for j, r in enumerate(split.host_reqs.tolist())}
+    parts, positions, pieces = [], [], []
+    flat_len, run_start, run_tokens = 0, -1, 0
+    for i, start, end in zip(
+        split.device_reqs.tolist(),
+        split.device_starts.tolist(),
+        split.device_ends.tolist(),
+        strict=True,
+    ):
+        before = ngram_context[i]
+        j = host_of.get(i)
+        if j is not None:  # the request's prompt tokens of this step come first
+            prompt_part = split.host_ids[split.host_qsl[j] : split.host_qsl[j + 1]]
+            before = np.concatenate([before, prompt_part])[-context:]
+        parts += [before, span[start - span_start : end - span_start]]
+        positions.append(np.arange(flat_len + context, flat_len + context + end - start))
+        flat_len += context + end - start
+        if start != run_start + run_tokens:  # not adjacent to the previous segment
+            pieces.append([start, 0])
+            run_start, run_tokens = start, 0
+        run_tokens += end - start
+        pieces[-1][1] = run_tokens
+    flat = np.concatenate(parts).astype(np.int64, copy=False)
+    rows = row_ids_at(flat, np.concatenate(positions), geometry)
+    out, taken = [], 0
+    for start, count in pieces:
+        out.append((start, rows[taken : taken + count]))
+        taken += count
+    return out

@@ -1,0 +1,157 @@
+"""The host step's split timed on a GPU, and the fused decode against the torch decode.
+
+Usage: python gpu_host_split.py {cuda|cpu|--cpu-smoke} RENDERED_DIR RESULT_JSON SNAPSHOT=TABLE_DIR
+
+Runs in the vLLM venv with the rendered patch laid over the package, as ple_equivalence.py does.
+On a GPU (DEVICE cuda): per step shape (a prompt chunk alone, decode steps with MTP drafts, a
+chunk beside decoding requests) the host step's seconds before the device sync, waiting for it
+and after it (the patch's HostStep.last_times), median of repeats; then the forward's fused
+Triton decode against the torch decode of the same device buffer (median microseconds, and
+whether the bytes are identical). Writes one JSON object, with `ok` and the `summary` lines that
+gpu/gpu-check.sh reports.
+
+cpu (or --cpu-smoke) builds everything up to the first CUDA call (the patched layer, vLLM's model state,
+the runner's request state, the step shapes, one host step each on CPU) and writes what it
+built: make test runs it, so the GPU run cannot fail on set-up code nobody ran.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SMOKE = sys.argv[1] in ("cpu", "--cpu-smoke")
+if SMOKE:
+    sys.argv[1] = "cpu"  # ple_equivalence reads its device from argv[1]
+
+import ple_equivalence as eq  # noqa: E402
+import torch  # noqa: E402
+
+REPEATS = 1 if SMOKE else 20
+
+
+DECODE = [(f"d{r}", 32, 4) for r in range(3)]
+DRAFTS = {f"d{r}": 3 for r in range(3)}
+# (name, scheduled, drafts): requests added by add_requests
+SHAPES = [
+    ("prompt chunk", [("p", 0, 256)], None),
+    ("decode, MTP 3", DECODE, DRAFTS),
+    ("chunk beside decodes", [*DECODE, ("p", 256, 256)], DRAFTS),
+]
+
+
+def add_requests(runner: eq.Runner, vocab: int, eos: int) -> None:
+    """Three requests decoding after a 32-token prompt, and a 900-token prompt."""
+    for r in range(3):
+        runner.add(f"d{r}", eq.request_tokens(vocab, eos, seed=r, length=900), 32)
+    runner.add("p", eq.request_tokens(vocab, eos, seed=9, length=900), 900)
+
+
+def main() -> None:
+    rendered, result_path = Path(sys.argv[2]), Path(sys.argv[3])
+    snapshot, table_dir = (Path(p) for p in sys.argv[4].split("=", 1))
+    from transformers import Qwen4ExpTextConfig
+
+    raw = json.loads((snapshot / "config.json").read_text())
+    config = Qwen4ExpTextConfig(**raw["text_config"])
+    vocab, eos = int(config.vocab_size), int(config.eos_token_id)
+    prefix = f"model.language_model.layers.{eq.PLE_DECODER_LAYER}.ple.ple_embedding."
+    eq.seed_loader_filter(rendered)
+    result: dict = {"device": eq.DEVICE.type, "steps": {}}
+    with tempfile.TemporaryDirectory() as work, eq.vllm_context(Path(work)):
+        importlib.import_module(eq.NGRAM_MODULE)
+        patched, state_module = eq.patched_modules(rendered)
+        import os
+
+        os.environ["SPARKPLE_PLE_TABLE_DIR"] = str(table_dir)
+        layer, _ = eq.build(patched, config, snapshot, prefix, torch.bfloat16)
+        model = torch.nn.ModuleList([layer])
+        state = eq.model_state(state_module, model, config)
+        host = importlib.import_module(
+            "vllm.models.qwen4_exp.common.ple_mmap_embedding"
+        ).host_step_of(model)
+        for name, scheduled, drafts in SHAPES:
+            times = []
+            for _ in range(REPEATS):
+                runner = eq.Runner(state)
+                add_requests(runner, vocab, eos)
+                runner.step(scheduled, drafts=drafts)
+                times.append(host.last_times)
+                for req_id in list(runner.req_id_to_index):
+                    runner.remove(req_id)
+            result["steps"][name] = {
+                "before_sync_us": statistics.median(t[0] for t in times) * 1e6,
+                "sync_wait_us": statistics.median(t[1] for t in times) * 1e6,
+                "after_sync_us": statistics.median(t[2] for t in times) * 1e6,
+                "synced": host.last_synced,
+            }
+        emb = layer.ngram_embedding
+        if not SMOKE:
+            result["decode"] = time_decodes(emb)
+        emb.close()
+    result["ok"], result["summary"] = verdict(result)
+    result_path.write_text(json.dumps(result, indent=2))
+
+
+def verdict(result: dict) -> tuple[bool, list[str]]:
+    """A prompt chunk alone must not wait for the device; the fused decode must equal torch's."""
+    steps = result["steps"]
+    ok = not steps["prompt chunk"]["synced"] and all(
+        steps[name]["synced"] for name in ("decode, MTP 3", "chunk beside decodes")
+    )
+    lines = [
+        f"host split, {name}: {s['before_sync_us']:.0f} us before the sync, "
+        f"{s['sync_wait_us']:.0f} us waiting, {s['after_sync_us']:.0f} us after"
+        + ("" if s["synced"] else " (no sync)")
+        for name, s in steps.items()
+    ]
+    decode = result.get("decode")
+    if decode is not None:
+        ok = ok and decode["identical"]
+        lines.append(
+            f"fused decode, {decode['tokens']} tokens: {decode['fused_us']:.0f} us against "
+            f"{decode['torch_us']:.0f} us for the torch decode, identical: {decode['identical']}"
+        )
+    return ok, lines
+
+
+def time_decodes(emb) -> dict:
+    """The fused decode against the torch decode of the same device buffer, 2,048 tokens."""
+    from sparkple.nvfp4 import dequantize_rows_torch
+    from sparkple.nvfp4_triton import decode_packed_rows
+
+    tokens = min(2048, emb.packed_rows.shape[0])
+    emb.packed_rows.copy_(torch.randint(0, 0x7E, emb.packed_rows.shape, dtype=torch.uint8))
+    packed = emb.packed_rows[:tokens]
+    tables = (emb.nvfp4_pairs, emb.nvfp4_e4m3)
+
+    def fused():
+        return decode_packed_rows(
+            packed, "nvfp4", emb.embedding_dim, emb._global_scale, tables, emb.params_dtype
+        )
+
+    def reference():
+        return dequantize_rows_torch(
+            packed, emb._global_scale, emb.embedding_dim, dtype=emb.params_dtype, tables=tables
+        )
+
+    out = {"tokens": tokens, "identical": bool(torch.equal(fused(), reference()))}
+    for name, fn in (("fused_us", fused), ("torch_us", reference)):
+        samples = []
+        for _ in range(50):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            samples.append((time.perf_counter() - t0) * 1e6)
+        out[name] = statistics.median(samples)
+    return out
+
+
+if __name__ == "__main__":
+    main()
