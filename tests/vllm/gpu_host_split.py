@@ -10,9 +10,9 @@ Triton decode against the torch decode of the same device buffer (median microse
 whether the bytes are identical). Writes one JSON object, with `ok` and the `summary` lines that
 gpu/gpu-check.sh reports.
 
-cpu (or --cpu-smoke) builds everything up to the first CUDA call (the patched layer, vLLM's model state,
-the runner's request state, the step shapes, one host step each on CPU) and writes what it
-built: make test runs it, so the GPU run cannot fail on set-up code nobody ran.
+cpu (or --cpu-smoke) builds everything up to the first CUDA call (the patched layer, vLLM's
+model state, the runner's request state, the step shapes, one host step each on CPU) and writes
+what it built: make test runs it, so the GPU run cannot fail on set-up code nobody ran.
 """
 
 from __future__ import annotations
