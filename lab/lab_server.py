@@ -53,12 +53,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from lab_metrics import ServingMetrics  # beside this file, as in the lab images
 
 from sparkple.errors import SparkpleError
 from sparkple.gather import gather_rows
 from sparkple.geometry import PLEGeometry
 from sparkple.ngram import row_ids
 from sparkple.nvfp4 import dequantize_rows
+from sparkple.stats import PLEStats, StatsFile
 from sparkple.table import PackedTable, open_table
 from sparkple.tablemeta import read_meta
 
@@ -66,6 +68,8 @@ from sparkple.tablemeta import read_meta
 PATCH_DIR = Path(os.environ.get("SPARKPLE_PATCH_DIR", "/opt/sparkple/patches"))
 # Seconds a stopped engine gets to exit after SIGTERM before it is killed (docker's grace is 30).
 ENGINE_STOP_GRACE_S = 5.0
+# Seconds between rewrites of the engine's PLE stats file (the patched backend's interval).
+STATS_INTERVAL_S = 5.0
 # The `vllm serve` flags the lab accepts: flag -> how its value is read (None: a switch).
 # Each one is checked against vLLM 0.33.0's parser in tests/vllm/test_serve_args.py.
 ACCEPTED_FLAGS: dict[str, Any] = {
@@ -139,6 +143,12 @@ class Engine:
             expect={"total_rows": g.total_rows, "num_heads": g.num_heads, "head_dim": g.head_dim},
         )
         self.rows_gathered = 0
+        # the backend's counters, in the stats file the metrics exporter reads (when the unit
+        # names a stats directory, as the serving unit does for vLLM)
+        self.stats = PLEStats()
+        self.stats_file = StatsFile.from_env(self.stats)
+        if self.stats_file is not None:
+            self.stats_file.start(STATS_INTERVAL_S)
 
     def complete(self, prompt: str, max_tokens: int) -> tuple[list[int], str]:
         g = self.geometry
@@ -153,6 +163,8 @@ class Engine:
             rid = row_ids(ids, qsl, ctx, g)[-1:]  # the last token's rows
             gather_rows(self.table.rows, rid, staging)
             self.rows_gathered += int(rid.size)
+            self.stats.add("rows_gathered", int(rid.size))
+            self.stats.add("gather_calls")
             if meta.quant == "nvfp4":
                 values = dequantize_rows(staging, meta.global_scale, meta.head_dim)
             else:
@@ -262,6 +274,7 @@ class State:
     max_model_len: int = 0
     started: int = int(time.time())
     engine_timeout_s: float = 30.0
+    metrics: ServingMetrics = ServingMetrics("", 1)
     stopping: bool = False
     exit_code: int = 0
     # one thread at a time reaps the engine: two waitpid()s race, and one sees it still alive
@@ -323,6 +336,13 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
                     send_json(self, 200, {"status": "ok", "patches": state.patches})
                 else:
                     send_json(self, 503, {"error": state.problem})
+            elif self.path == "/metrics":
+                body = state.metrics.render().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
             elif self.path == "/v1/models":
                 if self._authorized():
                     card = {
@@ -365,11 +385,15 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
             if not state.ready:
                 send_json(self, 503, {"error": state.problem})
                 return
-            code, done = ask_engine(state, prompt, max_tokens)
+            with state.metrics.request() as counted:
+                code, done = ask_engine(state, prompt, max_tokens)
+                prompt_tokens = max(1, len(prompt.encode("utf-8")))
+                if code == 200:
+                    counted.first_token()
+                    counted.finished(prompt_tokens, done["tokens"], "length")
             if code != 200:
                 send_json(self, code, done)
                 return
-            prompt_tokens = max(1, len(prompt.encode("utf-8")))
             usage = {
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": done["tokens"],
@@ -507,6 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     state.model = args.served_model_name or args.model
     state.engine_timeout_s = args.engine_timeout_s
     state.max_model_len = args.max_model_len or 0
+    # vLLM's scheduler runs at most --max-num-seqs requests at once (256 when unset)
+    state.metrics = ServingMetrics(state.model, args.max_num_seqs or 256)
     state.model_root = args.model
     log(f"a stand-in for vLLM serving {args.model} as {state.model}")
     socket_dir = tempfile.mkdtemp(prefix="sparkple-lab-")

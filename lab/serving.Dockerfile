@@ -4,7 +4,7 @@
 # It does not run vLLM: it has no GPU and no compiled vLLM kernels.
 FROM local/sparkple-lab-python:bookworm
 COPY site-packages/ /usr/local/lib/python3.11/dist-packages/
-COPY lab_server.py /opt/sparkple-lab/lab_server.py
+COPY lab_*.py /opt/sparkple-lab/
 LABEL org.sparkple.lab="serving-stand-in"
 ENV PYTHONDONTWRITEBYTECODE=1
 ENTRYPOINT ["python3", "/opt/sparkple-lab/lab_server.py"]
