@@ -70,36 +70,6 @@ def read_bytes() -> int:
 # ------------------------------------------------------------------------------ driver
 
 
-def ensure_table(work: Path, gib: float) -> tuple[Path, Path]:
-    """A published synthetic table of about `gib` GiB and its config.json (reused)."""
-    from sparkple.build import build_table
-    from sparkple.errors import TableError
-    from sparkple.synth import synth_checkpoint, vocab_base_for_bytes
-    from sparkple.tablemeta import read_meta
-
-    target = int(gib * 2**30)
-    table_dir = work / f"table-{gib:g}gib"
-    config = work / f"config-{gib:g}gib.json"
-    try:
-        meta = read_meta(table_dir)
-        if abs(meta.data_bytes - target) <= 0.1 * target and config.is_file():
-            return table_dir, config
-    except TableError:
-        pass
-    snap = work / "snapshot"
-    import shutil
-
-    shutil.rmtree(snap, ignore_errors=True)
-    log(f"building a {gib:g} GiB synthetic table in {table_dir} ...")
-    t0 = time.perf_counter()
-    synth_checkpoint(snap, vocab_base=vocab_base_for_bytes(target), files=max(2, int(gib)))
-    build_table(snap, table_dir, force=True, quiet=True)
-    shutil.copy(snap / "config.json", config)
-    shutil.rmtree(snap)
-    log(f"built in {time.perf_counter() - t0:.0f} s")
-    return table_dir, config
-
-
 def driver(args: argparse.Namespace) -> int:
     from sparkple import patch
 
@@ -110,7 +80,9 @@ def driver(args: argparse.Namespace) -> int:
         )
         return 2
     args.work.mkdir(parents=True, exist_ok=True)
-    table_dir, config = ensure_table(args.work, args.table_gib)
+    from synthtable import ensure_table
+
+    table_dir, config, _ = ensure_table(args.work, args.table_gib)
     with tempfile.TemporaryDirectory() as tmp:
         rendered = Path(tmp) / "rendered"
         patch.render("vllm-0.33", ORIGINALS, rendered)

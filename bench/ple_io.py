@@ -27,7 +27,6 @@ import json
 import mmap
 import os
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
@@ -43,12 +42,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sparkple.build import build_table  # noqa: E402
-from sparkple.errors import TableError  # noqa: E402
+from synthtable import ensure_table  # noqa: E402
+
 from sparkple.gather import gather_rows  # noqa: E402
 from sparkple.handshake import Publisher, SeqFlag, Waiter  # noqa: E402
 from sparkple.prefetch import MECHANISMS, Prefetcher, plan_page_numbers  # noqa: E402
-from sparkple.synth import synth_checkpoint, vocab_base_for_bytes  # noqa: E402
 from sparkple.table import PackedTable, open_table  # noqa: E402
 from sparkple.tablemeta import read_meta  # noqa: E402
 from sparkple.worker import GatherWorker  # noqa: E402
@@ -83,28 +81,6 @@ def pct(values: list[float] | np.ndarray, q: float) -> float:
 
 
 # ------------------------------------------------------------------------------ the table
-
-
-def ensure_table(work: Path, gib: float, keep_snapshot: bool) -> tuple[Path, bool]:
-    """A published synthetic table of about `gib` GiB in work/ (reused when it is there)."""
-    target = int(gib * 2**30)
-    table_dir = work / f"table-{gib:g}gib"
-    try:
-        meta = read_meta(table_dir)
-        if abs(meta.data_bytes - target) <= 0.1 * target:
-            return table_dir, True
-    except TableError:
-        pass
-    snap = work / "snapshot"
-    shutil.rmtree(snap, ignore_errors=True)
-    log(f"building a {gib:g} GiB synthetic table in {table_dir} ...")
-    t0 = time.perf_counter()
-    synth_checkpoint(snap, vocab_base=vocab_base_for_bytes(target), files=max(2, int(gib)))
-    build_table(snap, table_dir, force=True, quiet=True)
-    if not keep_snapshot:
-        shutil.rmtree(snap)
-    log(f"built in {time.perf_counter() - t0:.0f} s")
-    return table_dir, False
 
 
 def make_cold(table: PackedTable) -> None:
@@ -671,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rng = np.random.default_rng(args.seed)
     args.work.mkdir(parents=True, exist_ok=True)
-    table_dir, reused = ensure_table(args.work, args.table_gib, args.keep_snapshot)
+    table_dir, _, reused = ensure_table(args.work, args.table_gib, args.keep_snapshot)
     meta = read_meta(table_dir)
     log(f"table {table_dir} ({meta.data_bytes / 2**30:.2f} GiB, reused={reused})")
 

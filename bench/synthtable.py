@@ -1,0 +1,43 @@
+"""The benchmarks' synthetic table: about `gib` GiB with the real row geometry, built once.
+
+A published table of the wanted size in `work/table-<gib>gib` is reused; otherwise a synthetic
+checkpoint is written (sparkple.synth) and packed (sparkple.build). The checkpoint's
+config.json is kept beside the table as `config-<gib>gib.json` for the benchmarks that build
+vLLM's layer from it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from sparkple.build import build_table
+from sparkple.errors import TableError
+from sparkple.synth import synth_checkpoint, vocab_base_for_bytes
+from sparkple.tablemeta import read_meta
+
+
+def ensure_table(work: Path, gib: float, keep_snapshot: bool = False) -> tuple[Path, Path, bool]:
+    """(table dir, its config.json, whether it was reused)."""
+    target = int(gib * 2**30)
+    table_dir = work / f"table-{gib:g}gib"
+    config = work / f"config-{gib:g}gib.json"
+    try:
+        meta = read_meta(table_dir)
+        if abs(meta.data_bytes - target) <= 0.1 * target and config.is_file():
+            return table_dir, config, True
+    except TableError:
+        pass
+    snap = work / "snapshot"
+    shutil.rmtree(snap, ignore_errors=True)
+    print(f"building a {gib:g} GiB synthetic table in {table_dir} ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    synth_checkpoint(snap, vocab_base=vocab_base_for_bytes(target), files=max(2, int(gib)))
+    build_table(snap, table_dir, force=True, quiet=True)
+    shutil.copy(snap / "config.json", config)
+    if not keep_snapshot:
+        shutil.rmtree(snap)
+    print(f"built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return table_dir, config, False
