@@ -2,8 +2,8 @@
 
 The plans come from `sparkple serving-plan` on a synthetic snapshot in the HF cache layout; the
 parser, `validate_parsed_serve_args` and `EngineArgs.from_cli_args` run in the CPU test venv
-(`VLLM_TARGET_DEVICE=cpu`). molecule/default's verify runs `test_lab_container_args` with the
-arguments the lab's serving container really received (SPARKPLE_LAB_SERVE_ARGS).
+(`VLLM_TARGET_DEVICE=cpu`). molecule/default's verify runs tests/vllm/lab_container_args.py (not
+collected otherwise) with the arguments the lab's serving container really received.
 """
 
 from __future__ import annotations
@@ -171,35 +171,3 @@ def test_lab_server_accepts_only_vllm_flags(checked: dict) -> None:
             if flag in ("--enable-prefix-caching", "--default-chat-template-kwargs"):
                 continue  # the "extra" case's free arguments
             assert flag in lab.ACCEPTED_FLAGS, f"the lab server would refuse {flag}"
-
-
-LAB_ARGS = os.environ.get("SPARKPLE_LAB_SERVE_ARGS")
-
-
-@pytest.mark.skipif(not LAB_ARGS, reason="molecule/default verify runs it with the lab's args")
-def test_lab_container_args(vllm_venv: Path, tmp_path: Path) -> None:
-    """The args docker delivered to the lab's serving container (after systemd's quoting)."""
-    lab = json.loads(Path(LAB_ARGS).read_text())
-    args = lab["args"]
-    # drop the entrypoint's own words: the lab image runs `python3 /opt/sparkple-lab/lab_server.py`
-    # (`vllm serve` on a Spark: Path "vllm", first arg "serve")
-    for words in (["/opt/sparkple-lab/lab_server.py"], ["serve"]):
-        if args[: len(words)] == words:
-            args = args[len(words) :]
-    case = {"args": args, "config_dir": lab.get("config_dir")}
-    result = run_check(vllm_venv, {"lab": case}, tmp_path)["cases"]["lab"]
-    assert result["unknown"] == [], f"vLLM 0.33.0 does not know {result['unknown']}"
-    assert result["error"] is None, result["error"]
-    recipe = lab["recipe"]
-    # the lab serves the production recipe (only budget knobs and GPU flags differ)
-    production = Recipe(model=recipe["model"], served_model_name="qwen3.8-flash-next")
-    for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype",
-                "mamba_ssm_cache_dtype", "mtp_depth", "reasoning_parser", "tool_call_parser",
-                "cudagraph_mode", "safetensors_load_strategy", "chunked_prefill",
-                "served_model_name"):  # fmt: skip
-        assert recipe[key] == getattr(production, key), key
-    want = expected_values(recipe, lab["gpu_memory_utilization"])
-    assert_matches(result["values"], want)
-    engine = result["engine"]
-    print(json.dumps({"engine": engine}, indent=1))
-    assert engine.get("built") or engine.get("model_config_reached"), engine
