@@ -266,15 +266,24 @@ class Supervisor:
 
     def launch(self, st: dict[str, Any], now: float) -> None:
         waited = round(now - st["down_since"], 2)
+        # the backoff this launch waited for (the history shows it doubling, whatever the load)
+        backoff = round(st["next_attempt_at"] - st["down_since"], 3)
         self.clean_shm(st, now)
         result = run_command(self.args.start_cmd, self.values, timeout_s=self.args.start_timeout_s)
         st["restarts"] += 1
         if result.ok:
-            self.record(st, now, "relaunch", attempt=st["restarts"], waited_s=waited)
+            self.record(
+                st, now, "relaunch", attempt=st["restarts"], waited_s=waited, backoff_s=backoff
+            )
             st.update(state="launched", launch_at=now, down_since=None, next_attempt_at=None)
             st.update(ready_at=None, healthy_since=None)
             return
-        failed = {"attempt": st["restarts"], "waited_s": waited, "exit": result.returncode}
+        failed = {
+            "attempt": st["restarts"],
+            "waited_s": waited,
+            "backoff_s": backoff,
+            "exit": result.returncode,
+        }
         # A watchdog that stopped the service while it was starting explains the failure.
         explained = read_markers(self.state_dir, self.kinds | INCIDENT_KINDS, now)
         if explained:
