@@ -30,10 +30,10 @@ def service_options() -> argparse.ArgumentParser:
     return p
 
 
-def read_meminfo() -> dict[str, int]:
-    """/proc/meminfo as bytes per field (the kernel reports kB, which are KiB)."""
+def read_meminfo(path: Path = MEMINFO) -> dict[str, int]:
+    """/proc/meminfo (or a file in its format) as bytes per field (kB in it are KiB)."""
     fields: dict[str, int] = {}
-    for line in MEMINFO.read_text().splitlines():
+    for line in path.read_text().splitlines():
         name, _, rest = line.partition(":")
         parts = rest.split()
         if parts and parts[0].isdigit():
