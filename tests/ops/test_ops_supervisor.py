@@ -415,3 +415,43 @@ def test_daily_heartbeat_carries_the_status_line_with_kernel_error_counts(
         capture_output=True, text=True, timeout=20,
     )  # fmt: skip
     assert "kernel log: Xid 2, NV_ERR_NO_MEMORY 1" in shown.stdout, shown.stdout
+
+
+def test_io_errors_on_the_tables_device_are_alerted_with_what_to_do(
+    tmp_path, standin, procs, receiver, monkeypatch
+):
+    """A server down after new kernel I/O errors on the table's device: one alert saying to
+    verify and rebuild the table, again only when more errors come; the status line counts them."""
+    url, got = receiver
+    monkeypatch.setenv("PLE_ALERT_URL", url)
+    kmsg = tmp_path / "kmsg"
+    kmsg.write_text(
+        "3,1,100,-;blk_update_request: I/O error, dev sdz, sector 2048 op 0x0:(READ) flags 0x0\n"
+        "3,2,200,-;Buffer I/O error on dev sdz, logical block 256, async page read\n"
+        "3,3,300,-;blk_update_request: I/O error, dev sda, sector 8 op 0x0:(READ) flags 0x0\n"
+    )
+    state = tmp_path / "state"
+    table = tmp_path / "table"
+    args = ("--kmsg", kmsg, "--table-dir", table, "--table-device", "sdz")
+    args += ("--alert-min-interval-s", 0, "--hold-after", 10)
+    procs(supervisor(state, standin, "--start-cmd", "false", *args))
+    (alert,) = wait_for(
+        lambda: [a for a in got if a["event"] == "table-io-errors"], 10, "the I/O error alert"
+    )
+    assert "logged 2 new I/O errors on sdz, the device of " + str(table) in alert["text"]
+    assert f"Run `sparkple verify-table --full {table}` and rebuild the table" in alert["text"]
+    # the supervisor goes on with its backoff; the same errors are not alerted again
+    wait_for(lambda: len(events(state, "launch-failed")) >= 2, 30, "two failed launches")
+    assert len([a for a in got if a["event"] == "table-io-errors"]) == 1
+    with kmsg.open("a") as f:
+        f.write("3,4,400,-;blk_update_request: I/O error, dev sdz, sector 4096 op 0x0:(READ)\n")
+    again = wait_for(
+        lambda: [a for a in got if a["event"] == "table-io-errors"][1:], 30, "a second alert"
+    )
+    assert "logged 1 new I/O errors on sdz" in again[0]["text"]
+    shown = subprocess.run(
+        program("supervisor", "status", "--state-dir", state, "--kmsg", kmsg),
+        capture_output=True, text=True, timeout=20,
+    )  # fmt: skip
+    assert "table I/O errors 3 (sdz)" in shown.stdout, shown.stdout
+    assert [e["count"] for e in events(state, "table-io-errors")] == [2, 3]
