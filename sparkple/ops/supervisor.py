@@ -150,6 +150,7 @@ class Supervisor:
         with locked(self.lock):
             now = time.time()
             st = self.load()
+            st["table_device"] = self.table_device  # for `status` run without --table-dir
             self.step(st, now)
             self.heartbeat(st, now)
             self.save(st, now)
@@ -235,7 +236,6 @@ class Supervisor:
         """A server that went down after new kernel I/O errors on the table's device most likely
         died of SIGBUS in its gather (a row's page-in failed): relaunching reads the same bad
         sectors, so say what a person must do."""
-        st["table_device"] = self.table_device
         if not self.table_device:
             return
         counts = kernel_error_counts(self.args.kmsg, self.table_device)
