@@ -14,7 +14,7 @@ from pathlib import Path
 
 from sparkple.serving import Recipe
 
-from .test_serve_args import assert_matches, expected_values, run_check
+from .test_serve_args import assert_matches, expected_values, run_check, write_tokenizer
 
 LAB_ARGS = os.environ.get("SPARKPLE_LAB_SERVE_ARGS", "")
 
@@ -29,6 +29,9 @@ def test_lab_container_args(vllm_venv: Path, tmp_path: Path) -> None:
     for words in (["/opt/sparkple-lab/lab_server.py"], ["serve"]):
         if args[: len(words)] == words:
             args = args[len(words) :]
+    if lab.get("config_dir"):
+        # the copy of the snapshot's config has no tokenizer; the reasoning parser needs one
+        write_tokenizer(Path(lab["config_dir"]))
     case = {"args": args, "config_dir": lab.get("config_dir")}
     result = run_check(vllm_venv, {"lab": case}, tmp_path)["cases"]["lab"]
     assert result["unknown"] == [], f"vLLM 0.33.0 does not know {result['unknown']}"
@@ -45,4 +48,7 @@ def test_lab_container_args(vllm_venv: Path, tmp_path: Path) -> None:
     assert_matches(result["values"], want)
     engine = result["engine"]
     print(json.dumps({"engine": engine}, indent=1))
-    assert engine.get("built") or engine.get("model_config_reached"), engine
+    # vLLM's create_engine_config builds the whole VllmConfig from these args on a CPU
+    assert engine.get("built"), engine
+    assert engine["max_model_len"] == recipe["max_model_len"], engine
+    assert engine["architecture"] == "Qwen4ExpForConditionalGeneration", engine
