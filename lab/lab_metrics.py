@@ -8,18 +8,16 @@ first token is a histogram with the buckets of `vllm/v1/metrics/buckets.py`
 (`entrypoints/serve/middleware/authenticate.py`), so `/metrics` answers without one; the lab
 does the same.
 
-The lab counts what its front really does: requests in flight at its engine (the first
-`--max-num-seqs` of them running, the rest waiting, as vLLM's scheduler admits at most that
-many), prompt and generated tokens, finished requests and the time to each one's first token.
+The lab counts what its front really does: the requests holding one of its `--max-num-seqs`
+slots (running) and those waiting for one (the front's own count, passed to `render`), prompt
+and generated tokens, finished requests, and the time from each request's arrival to its first
+token.
 Standard library only: the lab server runs with the serving image's Python.
 """
 
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 # vLLM 0.33.0's TIME_TO_FIRST_TOKEN_BUCKETS (vllm/v1/metrics/buckets.py)
 TTFT_BUCKETS = (
@@ -28,50 +26,18 @@ TTFT_BUCKETS = (
 )  # fmt: skip
 
 
-class Request:
-    """One request in flight: the front reports its first token and its end through this."""
-
-    def __init__(self, metrics: ServingMetrics, started: float) -> None:
-        self._metrics = metrics
-        self._started = started
-        self._first_token_seen = False
-
-    def first_token(self) -> None:
-        """The first generated token reached the client (once per request)."""
-        if not self._first_token_seen:
-            self._first_token_seen = True
-            self._metrics.observe_ttft(time.monotonic() - self._started)
-
-    def finished(self, prompt_tokens: int, generated_tokens: int, reason: str) -> None:
-        """The request ended with this many tokens (vLLM counts a finished reason each)."""
-        self._metrics.count_finished(prompt_tokens, generated_tokens, reason)
-
-
 class ServingMetrics:
     """Thread-safe counters of the lab front, rendered in Prometheus' text format."""
 
-    def __init__(self, model_name: str, max_num_seqs: int) -> None:
+    def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.max_num_seqs = max(1, max_num_seqs)
         self._lock = threading.Lock()
-        self._in_flight = 0
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._success: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
         self._ttft_counts = [0] * len(TTFT_BUCKETS)
         self._ttft_sum = 0.0
         self._ttft_count = 0
-
-    @contextmanager
-    def request(self) -> Iterator[Request]:
-        """Counts one request as in flight for the duration of the block."""
-        with self._lock:
-            self._in_flight += 1
-        try:
-            yield Request(self, time.monotonic())
-        finally:
-            with self._lock:
-                self._in_flight -= 1
 
     def observe_ttft(self, seconds: float) -> None:
         with self._lock:
@@ -87,11 +53,10 @@ class ServingMetrics:
             self._generation_tokens += generated_tokens
             self._success[reason] = self._success.get(reason, 0) + 1
 
-    def render(self) -> str:
-        """The exposition text, each family with its HELP and TYPE, as prometheus_client."""
+    def render(self, running: int, waiting: int) -> str:
+        """The exposition text, each family with its HELP and TYPE, as prometheus_client; the
+        scheduler's gauges are the front's (`running` hold a slot, `waiting` wait for one)."""
         with self._lock:
-            running = min(self._in_flight, self.max_num_seqs)
-            waiting = self._in_flight - running
             labels = f'engine="0",model_name="{self.model_name}"'
             lines: list[str] = []
 

@@ -13,9 +13,18 @@ the operations units are exercised for real. Like vLLM's OpenAI server it is two
   and each next "token" is derived from the decoded rows. The text means nothing; the
   lookups are real.
 - the API front answers `GET /health` itself: 200 once the engine reported both checks good,
-  503 with the reason otherwise. It hands each `POST /v1/completions` to the engine and
-  answers 504 when the engine does not reply within --engine-timeout-s. So a stopped engine
-  (SIGSTOP) looks like a wedged vLLM engine: /health 200 while generations fail.
+  503 with the reason otherwise. It hands each `POST /v1/completions` to the engine, which
+  sends the tokens back one at a time, and answers 504 when the engine does not send the next
+  within the engine timeout. So a stopped engine (SIGSTOP) looks like a wedged vLLM engine:
+  /health 200 while generations fail.
+- `"stream": true` is answered as vLLM answers it: server-sent events, one `data:` chunk per
+  token (the last one with its finish_reason), a usage chunk when
+  `stream_options.include_usage` asks for one, then `data: [DONE]`. An engine failure after
+  the first token is an error chunk, then `data: [DONE]`, as in vLLM.
+- like vLLM's scheduler, at most --max-num-seqs requests run at a time (default 256); the
+  others wait. `GET /metrics` shows both counts under vLLM's names
+  (`vllm:num_requests_running`, `vllm:num_requests_waiting`), which is what a drain waits on.
+  A request counts from its arrival until its last byte is written.
 
 SIGTERM, to the front or to both processes, stops both cleanly (exit 0). An engine that dies
 otherwise after it was ready makes the front exit 1, so that the supervisor sees a dead server.
@@ -26,8 +35,10 @@ OpenAI server answers them (a request for another model name is a 404, as in vLL
 Its command line is the subset of `vllm serve`'s that the service's unit passes (ACCEPTED_FLAGS;
 tests/vllm checks each flag against vLLM 0.33.0's own parser): anything else is refused like
 vLLM refuses an unknown argument (exit 2), and JSON-valued flags must be valid JSON, so a unit
-that mangles an argument fails in the lab too. The engine's reply bound is the lab's own knob,
-the env var SPARKPLE_LAB_ENGINE_TIMEOUT_S (seconds, default 30).
+that mangles an argument fails in the lab too. The lab's own knobs are env vars:
+SPARKPLE_LAB_ENGINE_TIMEOUT_S, the bound on each reply of the engine (seconds, default 30), and
+SPARKPLE_LAB_TOKEN_DELAY_S, the time the engine takes per token (seconds, default 0), so that a
+generation can last as long as a real one.
 """
 
 from __future__ import annotations
@@ -47,6 +58,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -70,6 +82,8 @@ PATCH_DIR = Path(os.environ.get("SPARKPLE_PATCH_DIR", "/opt/sparkple/patches"))
 ENGINE_STOP_GRACE_S = 5.0
 # Seconds between rewrites of the engine's PLE stats file (the patched backend's interval).
 STATS_INTERVAL_S = 5.0
+# vLLM's default --max-num-seqs (the requests the scheduler runs at once).
+DEFAULT_MAX_NUM_SEQS = 256
 # The `vllm serve` flags the lab accepts: flag -> how its value is read (None: a switch).
 # Each one is checked against vLLM 0.33.0's parser in tests/vllm/test_serve_args.py.
 ACCEPTED_FLAGS: dict[str, Any] = {
@@ -150,11 +164,11 @@ class Engine:
         if self.stats_file is not None:
             self.stats_file.start(STATS_INTERVAL_S)
 
-    def complete(self, prompt: str, max_tokens: int) -> tuple[list[int], str]:
+    def generate(self, prompt: str, max_tokens: int, token_delay_s: float) -> Iterator[int]:
+        """Each next "token" (a printable byte), one PLE lookup and decode per step."""
         g = self.geometry
         meta = self.table.meta
         tokens = [b % g.vocab_size for b in prompt.encode("utf-8")] or [g.eos_token_id]
-        out: list[int] = []
         ctx = np.full((1, g.ngram_size - 1), g.eos_token_id, dtype=np.int64)
         staging = np.empty((1, g.num_heads, meta.row_width), dtype=np.uint8)
         for _ in range(max_tokens):
@@ -170,9 +184,10 @@ class Engine:
             else:
                 values = staging.astype(np.float32)
             nxt = 32 + int(abs(float(values.sum())) * 1000) % 95  # a printable byte
-            out.append(nxt)
+            if token_delay_s > 0:
+                time.sleep(token_delay_s)  # the time a real decode step takes
             tokens.append(nxt)
-        return out, bytes(out).decode("ascii")
+            yield nxt
 
 
 def log(message: str) -> None:
@@ -194,39 +209,54 @@ def send_json(handler: BaseHTTPRequestHandler, code: int, body: dict[str, Any]) 
 class EngineServer(socketserver.ThreadingUnixStreamServer):
     daemon_threads = True
 
-    def __init__(self, path: str, engine: Engine) -> None:
+    def __init__(self, path: str, engine: Engine, token_delay_s: float) -> None:
         self.engine = engine
+        self.token_delay_s = token_delay_s
         super().__init__(path, EngineHandler)
 
 
 class EngineHandler(BaseHTTPRequestHandler):
-    """POST /complete {"prompt", "max_tokens"} -> {"tokens", "text", "rows_gathered", "table"}."""
+    """POST /complete {"prompt", "max_tokens"} -> one JSON line per token ({"token", "text"}),
+    then {"done": true, "tokens", "rows_gathered", "table"}, or {"error"} where it failed."""
 
     server: EngineServer
 
     def log_message(self, fmt: str, *args: Any) -> None:
         pass  # the front logs each request
 
+    def line(self, body: dict[str, Any]) -> None:
+        self.wfile.write(json.dumps(body).encode() + b"\n")
+        self.wfile.flush()
+
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         engine = self.server.engine
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-ndjson")
+        self.end_headers()  # HTTP/1.0: the reply ends when the connection closes
         try:
             req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
-            tokens, text = engine.complete(str(req["prompt"]), int(req["max_tokens"]))
-            code, body = (
-                200,
+            steps = engine.generate(
+                str(req["prompt"]), int(req["max_tokens"]), self.server.token_delay_s
+            )
+            count = 0
+            for token in steps:
+                self.line({"token": token, "text": chr(token)})
+                count += 1
+            self.line(
                 {
-                    "tokens": len(tokens),
-                    "text": text,
+                    "done": True,
+                    "tokens": count,
                     "rows_gathered": engine.rows_gathered,
                     "table": str(engine.table.meta.data_file),
-                },
+                }
             )
-        except Exception as exc:  # noqa: BLE001 - any failure is the front's 500, not a dead engine
-            code, body = 500, {"error": f"engine: {type(exc).__name__}: {exc}"}
-        send_json(self, code, body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the front gave up on this request
+        except Exception as exc:  # noqa: BLE001 - any failure is the front's error, not a dead engine
+            self.line({"error": f"engine: {type(exc).__name__}: {exc}"})
 
 
-def engine_main(model_dir: Path, socket_path: str, ready: Connection) -> None:
+def engine_main(model_dir: Path, socket_path: str, ready: Connection, token_delay_s: float) -> None:
     """The engine process: check the patches, open the table, tell the front, serve."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
@@ -234,7 +264,7 @@ def engine_main(model_dir: Path, socket_path: str, ready: Connection) -> None:
         table_dir = os.environ.get("SPARKPLE_PLE_TABLE_DIR", "")
         if not table_dir:
             raise SparkpleError("SPARKPLE_PLE_TABLE_DIR is not set")
-        server = EngineServer(socket_path, Engine(model_dir, Path(table_dir)))
+        server = EngineServer(socket_path, Engine(model_dir, Path(table_dir)), token_delay_s)
     except (SparkpleError, OSError, KeyError, ValueError) as exc:
         ready.send({"problem": f"{type(exc).__name__}: {exc}"})
         sys.exit(1)
@@ -274,27 +304,69 @@ class State:
     max_model_len: int = 0
     started: int = int(time.time())
     engine_timeout_s: float = 30.0
-    metrics: ServingMetrics = ServingMetrics("", 1)
     stopping: bool = False
     exit_code: int = 0
     # one thread at a time reaps the engine: two waitpid()s race, and one sees it still alive
     reap_lock = threading.Lock()
 
+    def __init__(self, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> None:
+        # the scheduler's slots: a request runs while it holds one and waits for one before
+        self.slots = threading.BoundedSemaphore(max_num_seqs)
+        self.counts_lock = threading.Lock()
+        self.running = 0
+        self.waiting = 0
+        # tokens, finished requests and time to first token (the model name is set in main)
+        self.metrics = ServingMetrics("")
 
-def ask_engine(state: State, prompt: str, max_tokens: int) -> tuple[int, dict[str, Any]]:
-    """(status, body) of the engine's reply; 504 when it does not answer in time."""
+    def count(self, running: int = 0, waiting: int = 0) -> None:
+        with self.counts_lock:
+            self.running += running
+            self.waiting += waiting
+
+
+class EngineError(Exception):
+    """The engine failed a request: (HTTP status, message)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def engine_steps(state: State, prompt: str, max_tokens: int) -> Iterator[dict[str, Any]]:
+    """The engine's lines for one request: {"token", "text"} each, then {"done", ...}.
+
+    Raises EngineError: 504 when the engine sends nothing within the engine timeout, 503 when it
+    cannot be reached, 500 when it reports a failure."""
     conn = EngineConnection(state.socket_path, state.engine_timeout_s)
     try:
         body = json.dumps({"prompt": prompt, "max_tokens": max_tokens})
         conn.request("POST", "/complete", body, {"Content-Type": "application/json"})
         reply = conn.getresponse()
-        return reply.status, json.loads(reply.read())
+        while True:
+            raw = reply.readline()
+            if not raw:
+                raise EngineError(500, "the engine closed the stream before it finished")
+            line = json.loads(raw)
+            if "error" in line:
+                raise EngineError(500, line["error"])
+            yield line
+            if line.get("done"):
+                return
     except TimeoutError:
-        return 504, {"error": f"the engine did not answer within {state.engine_timeout_s} s"}
+        raise EngineError(
+            504, f"the engine did not answer within {state.engine_timeout_s} s"
+        ) from None
     except (OSError, http.client.HTTPException, ValueError) as exc:
-        return 503, {"error": f"the engine is unreachable: {type(exc).__name__}: {exc}"}
+        raise EngineError(503, f"the engine is unreachable: {type(exc).__name__}: {exc}") from None
     finally:
         conn.close()
+
+
+def metrics_text(state: State) -> str:
+    """vLLM's series under its names and labels (vllm/v1/metrics/loggers.py; lab_metrics)."""
+    with state.counts_lock:
+        running, waiting = state.running, state.waiting
+    return state.metrics.render(running, waiting)
 
 
 def openai_error(handler: BaseHTTPRequestHandler, code: int, message: str, kind: str) -> None:
@@ -318,6 +390,118 @@ def chat_prompt(messages: Any) -> str:
     return "\n".join(parts)
 
 
+class Reply:
+    """One completion's answer in vLLM's shapes: a JSON body, or server-sent events."""
+
+    def __init__(
+        self,
+        handler: BaseHTTPRequestHandler,
+        state: State,
+        chat: bool,
+        stream: bool,
+        include_usage: bool,
+    ) -> None:
+        self.handler, self.state, self.chat = handler, state, chat
+        self.stream, self.include_usage = stream, include_usage
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-lab-{time.time_ns()}"
+        self.created = int(time.time())
+        self.arrived = time.monotonic()  # vLLM's time to first token includes the queue
+
+    def envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.state.model,
+            "choices": choices,
+        }
+
+    def event(self, body: dict[str, Any] | str) -> None:
+        data = body if isinstance(body, str) else json.dumps(body)
+        self.handler.wfile.write(f"data: {data}\n\n".encode())
+        self.handler.wfile.flush()
+
+    def chunk(self, text: str | None, finish_reason: str | None) -> dict[str, Any]:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if text is None else {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None}
+            kind = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None}
+            kind = "text_completion"
+        choice.update(finish_reason=finish_reason, stop_reason=None)
+        return self.envelope(kind, [choice])
+
+    def send(self, prompt: str, max_tokens: int) -> None:
+        steps = engine_steps(self.state, prompt, max_tokens)
+        texts: list[str] = []
+        try:
+            # the first token (or the engine's failure) before any header: an engine that is
+            # down or wedged is an HTTP error, as a request vLLM cannot start
+            first = next(steps)
+        except EngineError as exc:
+            send_json(self.handler, exc.code, {"error": str(exc)})
+            return
+        self.state.metrics.observe_ttft(time.monotonic() - self.arrived)
+        if self.stream:
+            self.handler.send_response(200)
+            self.handler.send_header("Content-Type", "text/event-stream; charset=utf-8")
+            self.handler.send_header("Cache-Control", "no-cache")
+            self.handler.end_headers()  # HTTP/1.0: the stream ends when the connection closes
+            if self.chat:
+                self.event(self.chunk(None, None))  # vLLM's first chat chunk: the role
+        line = first
+        try:
+            while not line.get("done"):
+                texts.append(line["text"])
+                if self.stream:  # the last token's chunk carries the finish reason
+                    last = len(texts) == max_tokens  # the lab has no EOS: always max_tokens
+                    self.event(self.chunk(line["text"], "length" if last else None))
+                line = next(steps)
+        except EngineError as exc:
+            if not self.stream:
+                send_json(self.handler, exc.code, {"error": str(exc)})
+                return
+            error = {"message": str(exc), "type": "InternalServerError", "code": exc.code}
+            self.event({"error": error})
+            self.event("[DONE]")
+            return
+        prompt_tokens = max(1, len(prompt.encode("utf-8")))
+        self.state.metrics.count_finished(prompt_tokens, line["tokens"], "length")
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": line["tokens"],
+            "total_tokens": prompt_tokens + line["tokens"],
+        }
+        if self.stream:
+            if self.include_usage:
+                kind = "chat.completion.chunk" if self.chat else "text_completion"
+                self.event({**self.envelope(kind, []), "usage": usage})
+            self.event("[DONE]")
+            return
+        text = "".join(texts)
+        if self.chat:
+            message = {
+                "role": "assistant",
+                "content": text,
+                "reasoning_content": None,
+                "tool_calls": [],
+            }
+            choice = {"index": 0, "message": message, "logprobs": None}
+            kind = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None}
+            kind = "text_completion"
+        choice["finish_reason"] = "length"
+        lab = {
+            "stand_in": "sparkple lab server, not vLLM",
+            "ple_rows_gathered": line["rows_gathered"],
+            "table": line["table"],
+        }
+        body = {**self.envelope(kind, [choice]), "usage": usage, "sparkple_lab": lab}
+        send_json(self.handler, 200, body)
+
+
 def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, fmt: str, *args: Any) -> None:
@@ -336,13 +520,13 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
                     send_json(self, 200, {"status": "ok", "patches": state.patches})
                 else:
                     send_json(self, 503, {"error": state.problem})
-            elif self.path == "/metrics":
-                body = state.metrics.render().encode()
+            elif self.path == "/metrics":  # like vLLM's, not behind the API key
+                data = metrics_text(state).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(body)
+                self.wfile.write(data)
             elif self.path == "/v1/models":
                 if self._authorized():
                     card = {
@@ -385,51 +569,19 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
             if not state.ready:
                 send_json(self, 503, {"error": state.problem})
                 return
-            with state.metrics.request() as counted:
-                code, done = ask_engine(state, prompt, max_tokens)
-                prompt_tokens = max(1, len(prompt.encode("utf-8")))
-                if code == 200:
-                    counted.first_token()
-                    counted.finished(prompt_tokens, done["tokens"], "length")
-            if code != 200:
-                send_json(self, code, done)
-                return
-            usage = {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": done["tokens"],
-                "total_tokens": prompt_tokens + done["tokens"],
-            }
-            lab = {
-                "stand_in": "sparkple lab server, not vLLM",
-                "ple_rows_gathered": done["rows_gathered"],
-                "table": done["table"],
-            }
-            if chat:
-                message = {
-                    "role": "assistant",
-                    "content": done["text"],
-                    "reasoning_content": None,
-                    "tool_calls": [],
-                }
-                choice = {"index": 0, "message": message, "logprobs": None}
-                kind, prefix = "chat.completion", "chatcmpl"
-            else:
-                choice = {"index": 0, "text": done["text"], "logprobs": None}
-                kind, prefix = "text_completion", "cmpl"
-            choice["finish_reason"] = "length"
-            send_json(
-                self,
-                200,
-                {
-                    "id": f"{prefix}-lab-{time.time_ns()}",
-                    "object": kind,
-                    "created": int(time.time()),
-                    "model": state.model,
-                    "choices": [choice],
-                    "usage": usage,
-                    "sparkple_lab": lab,
-                },
-            )
+            stream = req.get("stream") is True
+            options = req.get("stream_options") or {}
+            reply = Reply(self, state, chat, stream, bool(options.get("include_usage")))
+            state.count(waiting=1)
+            state.slots.acquire()
+            state.count(waiting=-1, running=1)
+            try:
+                reply.send(prompt, max_tokens)
+            except (BrokenPipeError, ConnectionResetError):
+                log(f"the client of {reply.id} went away")
+            finally:
+                state.count(running=-1)
+                state.slots.release()
 
     return Handler
 
@@ -515,6 +667,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("SPARKPLE_LAB_ENGINE_TIMEOUT_S must be a number of seconds")
     if args.engine_timeout_s <= 0:
         parser.error("SPARKPLE_LAB_ENGINE_TIMEOUT_S must be > 0")
+    try:
+        args.token_delay_s = float(os.environ.get("SPARKPLE_LAB_TOKEN_DELAY_S", "0"))
+    except ValueError:
+        parser.error("SPARKPLE_LAB_TOKEN_DELAY_S must be a number of seconds")
+    if args.token_delay_s < 0:
+        parser.error("SPARKPLE_LAB_TOKEN_DELAY_S must be >= 0")
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        parser.error("--max-num-seqs must be >= 1 (as vLLM)")
     return args
 
 
@@ -527,12 +687,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    state = State()
+    state = State(args.max_num_seqs or DEFAULT_MAX_NUM_SEQS)
     state.model = args.served_model_name or args.model
+    state.metrics.model_name = state.model
     state.engine_timeout_s = args.engine_timeout_s
     state.max_model_len = args.max_model_len or 0
-    # vLLM's scheduler runs at most --max-num-seqs requests at once (256 when unset)
-    state.metrics = ServingMetrics(state.model, args.max_num_seqs or 256)
     state.model_root = args.model
     log(f"a stand-in for vLLM serving {args.model} as {state.model}")
     socket_dir = tempfile.mkdtemp(prefix="sparkple-lab-")
@@ -541,7 +700,9 @@ def main(argv: list[str] | None = None) -> int:
     mp = multiprocessing.get_context("fork")
     ready_rx, ready_tx = mp.Pipe(duplex=False)
     engine = mp.Process(
-        target=engine_main, args=(Path(args.model), state.socket_path, ready_tx), name="engine"
+        target=engine_main,
+        args=(Path(args.model), state.socket_path, ready_tx, args.token_delay_s),
+        name="engine",
     )
     engine.start()
     ready_tx.close()

@@ -352,7 +352,11 @@ class Recipe:
                 )
 
     def yarn_overrides(self, rope: dict[str, Any] | None) -> dict[str, Any] | None:
-        """--hf-overrides for a context above the native one (the checkpoint's rope kept)."""
+        """--hf-overrides for a context above the native one (the checkpoint's rope kept).
+
+        vLLM 0.33 does not multiply max_position_embeddings by a YaRN factor (it takes it as
+        already scaled, as Transformers' YaRN does), so the scaled length goes in with it;
+        without it vLLM's ModelConfig refuses the max_model_len."""
         if self.max_model_len <= NATIVE_MAX_MODEL_LEN:
             return None
         params = dict(rope or {})
@@ -361,7 +365,12 @@ class Recipe:
             factor=float(self.max_model_len // NATIVE_MAX_MODEL_LEN),
             original_max_position_embeddings=NATIVE_MAX_MODEL_LEN,
         )
-        return {"text_config": {"rope_parameters": params}}
+        return {
+            "text_config": {
+                "max_position_embeddings": self.max_model_len,
+                "rope_parameters": params,
+            }
+        }
 
     def argv(self, gpu_memory_utilization: float, rope: dict[str, Any] | None = None) -> list[str]:
         """The arguments of `vllm serve` (after the entrypoint's own words), one string each."""

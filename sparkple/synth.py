@@ -54,6 +54,8 @@ def make_config(
         "eos_token_id": eos_token_id,
         "hidden_size": 256,
         "num_hidden_layers": 4,
+        # the real model's native context (vLLM derives its max_model_len bound from it)
+        "max_position_embeddings": 262_144,
         "ple_layer_ids": [2],
         "ple_embed_dim": head_dim * (ngram_size - 1) * heads_per_ngram,
         "ple_embedding_dtype": "nvfp4" if quant == "nvfp4" else "float8_e4m3fn",

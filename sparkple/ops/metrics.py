@@ -31,7 +31,7 @@ from ..atomicfile import write_text
 from ..errors import TableError
 from ..pagecache import PAGE_SIZE, file_resident_pages
 from ..tablemeta import read_meta
-from .host import kernel_error_counts, read_meminfo, run_command
+from .host import block_device, kernel_error_counts, read_meminfo, run_command
 from .state import (
     INCIDENT_KINDS,
     SUPERVISOR_STATES,
@@ -108,13 +108,6 @@ def collect_memory(out: Exposition) -> None:
 
 
 # -- the table --------------------------------------------------------------------------------
-def block_device(path: Path) -> str | None:
-    """The kernel name of the block device (partition) holding `path`, if it has one."""
-    st_dev = path.stat().st_dev
-    link = Path(f"/sys/dev/block/{os.major(st_dev)}:{os.minor(st_dev)}")
-    return link.resolve().name if link.exists() else None
-
-
 def disk_read_bytes(device: str) -> int | None:
     for line in Path("/proc/diskstats").read_text().splitlines():
         parts = line.split()
@@ -287,15 +280,16 @@ def collect_ops(out: Exposition, state_dir: Path) -> None:
     )
 
 
-def collect_kernel(out: Exposition, kmsg: Path) -> None:
-    counts = kernel_error_counts(kmsg)
+def collect_kernel(out: Exposition, kmsg: Path, io_device: str) -> None:
+    counts = kernel_error_counts(kmsg, io_device)
     if counts is None:
         warn(f"cannot read the kernel log {kmsg}; no kernel error counts")
         return
     name = out.family(
         "kernel_errors",
         "gauge",
-        "NVIDIA driver lines in the kernel log's ring buffer (Xid errors, NV_ERR_NO_MEMORY).",
+        "Lines in the kernel log's ring buffer: NVIDIA driver errors (Xid, NV_ERR_NO_MEMORY) "
+        "and I/O errors on the table's device (table_io).",
     )
     for kind, n in sorted(counts.items()):
         out.sample(name, n, {"kind": kind})
@@ -334,7 +328,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.state_dir:
         collect_ops(out, args.state_dir)
     if args.kmsg:
-        collect_kernel(out, args.kmsg)
+        device = args.disk_device
+        if not device and args.table_dir:
+            try:
+                device = block_device(args.table_dir) or ""
+            except OSError:
+                device = ""
+        collect_kernel(out, args.kmsg, device)
     out.metric(
         "metrics_collect_seconds",
         "gauge",

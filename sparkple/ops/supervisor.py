@@ -36,7 +36,7 @@ from typing import Any
 
 from ..atomicfile import write_text
 from .alert import Alerter
-from .host import KMSG, kernel_error_counts, run_command, service_options
+from .host import KMSG, block_device, kernel_error_counts, run_command, service_options
 from .probe import Client, check_generation, read_env_file
 from .shm import DEFAULT_PATTERNS, clean_unheld
 from .state import (
@@ -71,6 +71,8 @@ def fresh_state() -> dict[str, Any]:
         "breaker_open_since": None,
         "breaker_reset_at": 0.0,
         "last_heartbeat": None,
+        "table_device": None,
+        "table_io_errors_seen": 0,
         "history": [],
     }
 
@@ -84,6 +86,7 @@ class Supervisor:
         self.values = {"unit": args.unit, "container": args.container}
         self.kinds = set(args.breaker_kinds.split(","))
         self.alerter = Alerter(self.state_dir, min_interval_s=args.alert_min_interval_s)
+        self.table_device = table_device(args)
 
     # -- state -------------------------------------------------------------------------------
     def load(self) -> dict[str, Any]:
@@ -147,6 +150,7 @@ class Supervisor:
         with locked(self.lock):
             now = time.time()
             st = self.load()
+            st["table_device"] = self.table_device  # for `status` run without --table-dir
             self.step(st, now)
             self.heartbeat(st, now)
             self.save(st, now)
@@ -159,7 +163,7 @@ class Supervisor:
         last = st.get("last_heartbeat")
         if isinstance(last, int | float) and now - last < self.args.heartbeat_s:
             return
-        rep = report(self.state_dir, self.args.kmsg)
+        rep = report(self.state_dir, self.args.kmsg, self.table_device)
         rep["supervisor"] = {k: v for k, v in st.items() if k != "history"}
         if self.alerter.send("heartbeat", f"heartbeat: {one_line(rep)}", {"report": rep}):
             st["last_heartbeat"] = now
@@ -204,6 +208,7 @@ class Supervisor:
             return
 
         # The service is down.
+        self.check_table_io(st, now)
         if st["launch_at"] is not None:
             # A launch that did not reach `stable_s`: failed, unless an incident explains it.
             launched = st["launch_at"]
@@ -226,6 +231,28 @@ class Supervisor:
             st["state"] = "backoff"
             return
         self.launch(st, now)
+
+    def check_table_io(self, st: dict[str, Any], now: float) -> None:
+        """A server that went down after new kernel I/O errors on the table's device most likely
+        died of SIGBUS in its gather (a row's page-in failed): relaunching reads the same bad
+        sectors, so say what a person must do."""
+        if not self.table_device:
+            return
+        counts = kernel_error_counts(self.args.kmsg, self.table_device)
+        seen = int(st.get("table_io_errors_seen") or 0)
+        if counts is None or counts["table_io"] <= seen:
+            return
+        st["table_io_errors_seen"] = counts["table_io"]
+        table = self.args.table_dir or "the PLE table"
+        self.record(st, now, "table-io-errors", device=self.table_device, count=counts["table_io"])
+        self.alerter.send(
+            "table-io-errors",
+            f"{self.args.unit} is down and the kernel logged {counts['table_io'] - seen} new I/O "
+            f"errors on {self.table_device}, the device of {table}: reads of the table fail "
+            f"(SIGBUS in the gather). Run `sparkple verify-table --full {table}` and rebuild "
+            "the table (`sparkple build-table`, on a healthy disk) before relaunching.",
+            {"device": self.table_device, "count": counts["table_io"]},
+        )
 
     def watch_launch(self, st: dict[str, Any], now: float) -> bool:
         """Follow a launch until it is stable; False when it missed its readiness deadline
@@ -266,15 +293,24 @@ class Supervisor:
 
     def launch(self, st: dict[str, Any], now: float) -> None:
         waited = round(now - st["down_since"], 2)
+        # the backoff this launch waited for (the history shows it doubling, whatever the load)
+        backoff = round(st["next_attempt_at"] - st["down_since"], 3)
         self.clean_shm(st, now)
         result = run_command(self.args.start_cmd, self.values, timeout_s=self.args.start_timeout_s)
         st["restarts"] += 1
         if result.ok:
-            self.record(st, now, "relaunch", attempt=st["restarts"], waited_s=waited)
+            self.record(
+                st, now, "relaunch", attempt=st["restarts"], waited_s=waited, backoff_s=backoff
+            )
             st.update(state="launched", launch_at=now, down_since=None, next_attempt_at=None)
             st.update(ready_at=None, healthy_since=None)
             return
-        failed = {"attempt": st["restarts"], "waited_s": waited, "exit": result.returncode}
+        failed = {
+            "attempt": st["restarts"],
+            "waited_s": waited,
+            "backoff_s": backoff,
+            "exit": result.returncode,
+        }
         # A watchdog that stopped the service while it was starting explains the failure.
         explained = read_markers(self.state_dir, self.kinds | INCIDENT_KINDS, now)
         if explained:
@@ -446,8 +482,24 @@ def requests_in_flight(url: str) -> float | None:
     return total if seen else None
 
 
-def report(state_dir: Path, kmsg: Path) -> dict[str, Any]:
+def table_device(args: argparse.Namespace) -> str:
+    """--table-device, else the block device under --table-dir ("" when neither tells)."""
+    if getattr(args, "table_device", ""):
+        return str(args.table_device)
+    table_dir = getattr(args, "table_dir", None)
+    if table_dir is None:
+        return ""
+    try:
+        return block_device(table_dir) or ""
+    except OSError:
+        return ""
+
+
+def report(state_dir: Path, kmsg: Path, io_device: str = "") -> dict[str, Any]:
     now = time.time()
+    sup = read_json(state_dir / "supervisor.json", None)
+    if not io_device and isinstance(sup, dict):
+        io_device = sup.get("table_device") or ""  # the one the supervisor's loop watches
     return {
         "manual_stop": manual_stop_path(state_dir).exists(),
         "supervisor": read_json(state_dir / "supervisor.json", None),
@@ -457,14 +509,18 @@ def report(state_dir: Path, kmsg: Path) -> dict[str, Any]:
             {k: m.get(k) for k in ("kind", "time_iso", "reason", "path")}
             for m in read_markers(state_dir, INCIDENT_KINDS, now - 86400)
         ],
-        "kernel_errors": kernel_error_counts(kmsg),
+        "kernel_errors": kernel_error_counts(kmsg, io_device),
+        "table_device": io_device or None,
     }
 
 
-def kernel_line(errors: dict[str, int] | None) -> str:
+def kernel_line(errors: dict[str, int] | None, device: str | None = None) -> str:
     if errors is None:
         return "kernel log: unreadable"
-    return f"kernel log: Xid {errors['xid']}, NV_ERR_NO_MEMORY {errors['nv_err_no_memory']}"
+    line = f"kernel log: Xid {errors['xid']}, NV_ERR_NO_MEMORY {errors['nv_err_no_memory']}"
+    if "table_io" in errors:
+        line += f", table I/O errors {errors['table_io']} ({device})"
+    return line
 
 
 def one_line(rep: dict[str, Any]) -> str:
@@ -478,12 +534,12 @@ def one_line(rep: dict[str, Any]) -> str:
         + f", probe {probe.get('last_result', 'unknown')}, incidents in 24 h "
         f"{len(rep['incidents_24h'])}, MemAvailable "
         f"{wd.get('mem_available_bytes', 0) // (1024 * 1024)} MiB, "
-        + kernel_line(rep["kernel_errors"])
+        + kernel_line(rep["kernel_errors"], rep.get("table_device"))
     )
 
 
-def status(state_dir: Path, as_json: bool, kmsg: Path) -> int:
-    rep = report(state_dir, kmsg)
+def status(state_dir: Path, as_json: bool, kmsg: Path, io_device: str = "") -> int:
+    rep = report(state_dir, kmsg, io_device)
     if as_json:
         print(json.dumps(rep, indent=2, sort_keys=True))
         return 0
@@ -502,7 +558,7 @@ def status(state_dir: Path, as_json: bool, kmsg: Path) -> int:
         f"updated {iso_or_dash(wd.get('updated'))}",
         f"probe: {probe.get('last_result', 'unknown')}, consecutive failures "
         f"{probe.get('consecutive_failures', 0)}, last ok {iso_or_dash(probe.get('last_ok'))}",
-        kernel_line(rep["kernel_errors"]),
+        kernel_line(rep["kernel_errors"], rep.get("table_device")),
         f"incidents in 24 h: {len(rep['incidents_24h'])}",
     ]
     lines += [f"  {m['time_iso']} {m['kind']}: {m['reason']}" for m in rep["incidents_24h"]]
@@ -520,6 +576,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--state-dir", type=Path, required=True, help="markers and state (shared)")
     common.add_argument("--kmsg", type=Path, default=KMSG, help="kernel log (Xid counts)")
+    common.add_argument(
+        "--table-dir", type=Path, help="the published PLE table (I/O errors on its device)"
+    )
+    common.add_argument("--table-device", default="", help="its block device; default: found")
     service = argparse.ArgumentParser(add_help=False, parents=[service_options()])
     service.add_argument("--check-cmd", default="systemctl is-active --quiet {unit}")
     service.add_argument("--start-cmd", default="systemctl start {unit}")
@@ -592,7 +652,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "status":
-        return status(args.state_dir, args.json, args.kmsg)
+        return status(args.state_dir, args.json, args.kmsg, table_device(args))
     if args.command in ("manual-stop", "resume"):
         # Under the loop's lock: a check in progress finishes first, the next one sees the flag.
         with locked(args.state_dir / "supervisor.lock"):

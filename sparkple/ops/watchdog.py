@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .alert import Alerter
-from .host import read_meminfo, run_command, service_options
+from .host import MEMINFO, read_meminfo, run_command, service_options
 from .state import iso, update_json, utc_stamp, write_json, write_marker
 
 MIB = 1024 * 1024
@@ -61,6 +61,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--stop-timeout-s", type=float, default=120.0, help="limit for --stop-cmd")
     p.add_argument("--mlock", action="store_true", help="lock the watchdog in RAM (needs root)")
+    p.add_argument(
+        "--meminfo",
+        type=Path,
+        default=MEMINFO,
+        help="the file each sample reads (/proc/meminfo; a file in its format for a test)",
+    )
     args = p.parse_args(argv)
     if args.interval_s <= 0 or args.debounce < 1:
         p.error("--interval-s must be > 0 and --debounce >= 1")
@@ -103,7 +109,7 @@ class Watchdog:
 
     def sample(self) -> None:
         now = time.time()
-        mem = read_meminfo()
+        mem = read_meminfo(self.args.meminfo)
         avail, free = mem["MemAvailable"], mem["MemFree"]
         reasons = self.reasons(avail, free)
         self.samples += 1

@@ -126,12 +126,29 @@ CASES: list[tuple[str, list[dict[str, str]], str, list[tuple[dict[str, str], str
             series("sparkple_kernel_errors", "2", host="a", kind="nv_err_no_memory"),
             series("sparkple_kernel_errors", "0", host="a", kind="xid"),
             series("sparkple_kernel_errors", "0", host="b", kind="nv_err_no_memory"),
+            # the table's device is the other alert's
+            series("sparkple_kernel_errors", "3", host="c", kind="table_io"),
         ],
         "0m",
         [
             (
                 {"host": "a", "kind": "nv_err_no_memory"},
                 "a: 2 NVIDIA driver nv_err_no_memory lines in the kernel log",
+            )
+        ],
+    ),
+    (
+        "SparkpleTableReadErrors",
+        [
+            series("sparkple_kernel_errors", "1", host="a", kind="table_io"),
+            series("sparkple_kernel_errors", "0", host="b", kind="table_io"),
+            series("sparkple_kernel_errors", "5", host="b", kind="xid"),
+        ],
+        "0m",
+        [
+            (
+                {"host": "a", "kind": "table_io"},
+                "a: 1 kernel I/O errors on the PLE table's device",
             )
         ],
     ),

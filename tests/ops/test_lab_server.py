@@ -86,14 +86,17 @@ def lab_server(lab_data: dict, tmp_path: Path) -> Iterator[Callable[..., tuple]]
     started: list[subprocess.Popen] = []
 
     def start(
-        patch_dir: Path | None = None, extra_args: tuple[str, ...] = ()
+        patch_dir: Path | None = None,
+        extra_args: tuple[str, ...] = (),
+        extra_env: dict[str, str] | None = None,
     ) -> tuple[subprocess.Popen, int]:
         port = free_port()
         env = {**os.environ,
                "PYTHONPATH": f"{ROOT}{os.pathsep}{lab_data['site']}",
                "SPARKPLE_PLE_TABLE_DIR": str(lab_data["table"]),
                "SPARKPLE_PATCH_DIR": str(patch_dir or lab_data["patches"]),
-               "SPARKPLE_LAB_ENGINE_TIMEOUT_S": str(ENGINE_TIMEOUT_S)}  # fmt: skip
+               "SPARKPLE_LAB_ENGINE_TIMEOUT_S": str(ENGINE_TIMEOUT_S),
+               **(extra_env or {})}  # fmt: skip
         argv = [sys.executable, str(LAB / "lab_server.py"), "--model", str(lab_data["snap"]),
                 "--port", str(port),
                 "--gpu-memory-utilization", "0.9", *extra_args]  # fmt: skip

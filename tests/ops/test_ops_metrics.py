@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from ops_helpers import ROOT, program
 
-from sparkple.ops.metrics import block_device
+from sparkple.ops.host import block_device, device_names
 from sparkple.ops.state import SUPERVISOR_STATES
 from sparkple.pagecache import file_resident_pages
 from sparkple.stats import PLEStats, StatsFile
@@ -138,12 +138,19 @@ def test_promtool_accepts_the_file(tmp_path, table, reader):
     (state / "markers").mkdir(parents=True)
     (state / "markers" / "emergency-20260101T000000.000000Z.json").write_text("{}")
     (state / "supervisor.json").write_text(json.dumps({"state": "backoff"}))
+    device = block_device(table)
+    assert device, f"{table} is on no block device: the table I/O error count needs one"
+    disk = device_names(device)[-1]
     kmsg = tmp_path / "kmsg"  # a saved kernel log, read like /dev/kmsg
     kmsg.write_text(
         "4,1,10,-;NVRM: Xid (PCI:000f:01:00): 13, pid=99, name=python3\n"
         "4,2,20,-;NVRM: kgspRcAndNotifyAllChannels: NV_ERR_NO_MEMORY\n"
         "4,3,30,-;NVRM: Xid (PCI:000f:01:00): 31, pid=99, name=python3\n"
         "6,4,40,-;eth0: link up\n"
+        # I/O errors: two on the table's disk (the block layer names the disk), one elsewhere
+        f"3,5,50,-;blk_update_request: I/O error, dev {disk}, sector 2048 op 0x0:(READ)\n"
+        f"3,6,60,-;{disk}: critical medium error, dev {disk}, sector 4096\n"
+        "3,7,70,-;blk_update_request: I/O error, dev zzz9, sector 1 op 0x0:(READ)\n"
     )
     reader.gather(0, 1000)
     out = tmp_path / "sparkple.prom"
@@ -157,6 +164,7 @@ def test_promtool_accepts_the_file(tmp_path, table, reader):
     )  # fmt: skip
     assert samples['sparkple_kernel_errors{kind="xid"}'] == 2
     assert samples['sparkple_kernel_errors{kind="nv_err_no_memory"}'] == 1
+    assert samples['sparkple_kernel_errors{kind="table_io"}'] == 2
     assert samples['sparkple_ops_incidents_total{kind="emergency"}'] == 1
     assert samples['sparkple_supervisor_state{state="backoff"}'] == 1
     with open(out) as f:

@@ -81,9 +81,10 @@ def test_relaunch_with_backoff_until_the_breaker_opens_then_reset(tmp_path, stan
     relaunches = events(state, "relaunch")
     history = sup_state(state)["history"]
     assert [r["attempt"] for r in relaunches] == [1, 2], f"relaunched twice only: {history}"
-    for n, r in enumerate(relaunches):
-        expected = BASE * 2**n
-        assert expected <= r["waited_s"] < expected + 1.0, f"backoff {n}: {r}"
+    # the backoff doubles, and no relaunch came before its backoff was over (the supervisor's
+    # own record: no bound on how late a loaded machine lets it run)
+    assert [r["backoff_s"] for r in relaunches] == [BASE, 2 * BASE], relaunches
+    assert all(r["waited_s"] >= r["backoff_s"] for r in relaunches), relaunches
     assert events(state, "launch-failed") == [], "emergency stops are not launch failures"
     for marker, relaunch in zip(emergencies[1:], relaunches, strict=True):
         # a relaunched service gets the whole debounce: no sample from while it was down counts
@@ -110,7 +111,7 @@ def test_relaunch_with_backoff_until_the_breaker_opens_then_reset(tmp_path, stan
     assert standin.active()
     after = [r for r in events(state, "relaunch") if r["time"] >= reset_at]
     assert len(after) == 1 and after[0]["attempt"] == 1
-    assert BASE <= after[0]["waited_s"] < BASE + 1.0
+    assert after[0]["backoff_s"] == BASE and after[0]["waited_s"] >= BASE, after
     print(f"three emergencies and the breaker in {took:.2f} s")
     assert "breaker-open" in output(sup)
 
@@ -125,8 +126,8 @@ def test_holds_after_repeated_launch_failures(tmp_path, standin, procs):
     wait_for(lambda: sup_state(state).get("state") == "hold", 10, "hold")
     failures = events(state, "launch-failed")
     assert [f["attempt"] for f in failures] == [1, 2, 3]
-    waits = [f["waited_s"] for f in failures]
-    assert 0.1 <= waits[0] < 0.6 and 0.2 <= waits[1] < 0.7 and 0.4 <= waits[2] < 0.9, waits
+    assert [f["backoff_s"] for f in failures] == [0.1, 0.2, 0.4], failures  # doubling
+    assert all(f["waited_s"] >= f["backoff_s"] for f in failures), failures
     assert sup_state(state)["hold_reason"] == "3 launches in a row failed"
     time.sleep(0.5)
     assert len(events(state, "launch-failed")) == 3, "no attempt while holding"
@@ -290,18 +291,28 @@ def test_a_start_that_never_gets_healthy_is_stopped_counted_and_alerted(
 
 
 def test_stable_means_healthy_for_stable_s_not_merely_up(tmp_path, standin, procs):
+    """A /health failure restarts the stable clock (healthy_since in the supervisor's state);
+    "stable" comes stable_s after the new clock started, asserted on the supervisor's record."""
+    stable_s = 3.0
     state = tmp_path / "state"
-    procs(supervisor(state, standin, "--url", standin.url, "--stable-s", 1.0))
-    wait_for(lambda: events(state, "ready"), 15, "ready")
+    procs(supervisor(state, standin, "--url", standin.url, "--stable-s", stable_s))
+    wait_for(lambda: sup_state(state).get("healthy_since"), 15, "healthy (the clock runs)")
+    first = sup_state(state)["healthy_since"]
+    failed_at = time.time()
     (standin.dir / "health-fail").touch()  # up, but /health failing: the clock stops
-    time.sleep(1.6)
-    st = sup_state(state)
-    assert events(state, "stable") == [] and st["restarts"] == 1 and st["healthy_since"] is None
+    wait_for(lambda: sup_state(state).get("healthy_since") is None, 15, "the clock stopped")
+    assert standin.active(), "up all along: only /health failed"
+    assert events(state, "stable") == [], "the clock reached stable_s before /health failed"
     (standin.dir / "health-fail").unlink()
-    wait_for(lambda: events(state, "stable"), 10, "stable once healthy for 1 s")
+    wait_for(lambda: sup_state(state).get("healthy_since"), 15, "the clock runs again")
+    second = sup_state(state)["healthy_since"]
+    # a new clock, started by a poll after the one that saw /health fail (so after the
+    # failure began), not the first one resumed
+    assert second > failed_at > first
+    (stable,) = wait_for(lambda: events(state, "stable"), 30, "stable")
+    assert stable["time"] >= second + stable_s, (stable, second)
     st = sup_state(state)
     assert st["state"] == "running" and st["restarts"] == 0 and st["launch_failures"] == 0
-    assert events(state, "stable")[0]["after_s"] >= 2.6
 
 
 # ------------------------------------------------------------------ shared memory
@@ -404,3 +415,43 @@ def test_daily_heartbeat_carries_the_status_line_with_kernel_error_counts(
         capture_output=True, text=True, timeout=20,
     )  # fmt: skip
     assert "kernel log: Xid 2, NV_ERR_NO_MEMORY 1" in shown.stdout, shown.stdout
+
+
+def test_io_errors_on_the_tables_device_are_alerted_with_what_to_do(
+    tmp_path, standin, procs, receiver, monkeypatch
+):
+    """A server down after new kernel I/O errors on the table's device: one alert saying to
+    verify and rebuild the table, again only when more errors come; the status line counts them."""
+    url, got = receiver
+    monkeypatch.setenv("PLE_ALERT_URL", url)
+    kmsg = tmp_path / "kmsg"
+    kmsg.write_text(
+        "3,1,100,-;blk_update_request: I/O error, dev sdz, sector 2048 op 0x0:(READ) flags 0x0\n"
+        "3,2,200,-;Buffer I/O error on dev sdz, logical block 256, async page read\n"
+        "3,3,300,-;blk_update_request: I/O error, dev sda, sector 8 op 0x0:(READ) flags 0x0\n"
+    )
+    state = tmp_path / "state"
+    table = tmp_path / "table"
+    args = ("--kmsg", kmsg, "--table-dir", table, "--table-device", "sdz")
+    args += ("--alert-min-interval-s", 0, "--hold-after", 10)
+    procs(supervisor(state, standin, "--start-cmd", "false", *args))
+    (alert,) = wait_for(
+        lambda: [a for a in got if a["event"] == "table-io-errors"], 10, "the I/O error alert"
+    )
+    assert "logged 2 new I/O errors on sdz, the device of " + str(table) in alert["text"]
+    assert f"Run `sparkple verify-table --full {table}` and rebuild the table" in alert["text"]
+    # the supervisor goes on with its backoff; the same errors are not alerted again
+    wait_for(lambda: len(events(state, "launch-failed")) >= 2, 30, "two failed launches")
+    assert len([a for a in got if a["event"] == "table-io-errors"]) == 1
+    with kmsg.open("a") as f:
+        f.write("3,4,400,-;blk_update_request: I/O error, dev sdz, sector 4096 op 0x0:(READ)\n")
+    again = wait_for(
+        lambda: [a for a in got if a["event"] == "table-io-errors"][1:], 30, "a second alert"
+    )
+    assert "logged 1 new I/O errors on sdz" in again[0]["text"]
+    shown = subprocess.run(
+        program("supervisor", "status", "--state-dir", state, "--kmsg", kmsg),
+        capture_output=True, text=True, timeout=20,
+    )  # fmt: skip
+    assert "table I/O errors 3 (sdz)" in shown.stdout, shown.stdout
+    assert [e["count"] for e in events(state, "table-io-errors")] == [2, 3]

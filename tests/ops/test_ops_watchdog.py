@@ -3,8 +3,13 @@ machine really has, and the thing it stops is a real process."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import os
 import signal
+import struct
 import subprocess
+import termios
 import time
 from pathlib import Path
 
@@ -167,3 +172,95 @@ def test_bad_settings_are_refused(tmp_path):
         watchdog(tmp_path, "--debounce", 0), capture_output=True, text=True, timeout=20
     )
     assert done.returncode == 2 and "--debounce" in done.stderr
+
+
+def meminfo_text(avail_mib: int, free_mib: int) -> str:
+    return (
+        f"MemTotal:       {128 * 1024 * 1024} kB\n"
+        f"MemFree:        {free_mib * 1024} kB\n"
+        f"MemAvailable:   {avail_mib * 1024} kB\n"
+    )
+
+
+def holds_open(pid: int, path: Path) -> bool:
+    fd_dir = Path(f"/proc/{pid}/fd")
+    for fd in fd_dir.iterdir():
+        try:
+            if os.readlink(fd) == str(path):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def unread(fd: int) -> int:
+    """Bytes written to the FIFO that no reader has taken yet."""
+    return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+
+
+def feed(pid: int, fifo: Path, text: str, timeout_s: float = 20) -> None:
+    """Hand the watchdog (pid) its next sample through the FIFO it reads once per sample.
+
+    Waits until its previous read has closed the FIFO (a read that has seen EOF but not closed
+    would swallow this sample), writes, and closes only once the reader has taken every byte
+    (one sample per read, never two). When this returns, every earlier sample was handled."""
+    wait_for(lambda: not holds_open(pid, fifo), timeout_s, "the previous read to close")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as exc:  # ENXIO: no reader yet (the watchdog is between samples)
+            if exc.errno != errno.ENXIO or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
+    try:
+        os.set_blocking(fd, True)
+        os.write(fd, text.encode())
+        wait_for(lambda: unread(fd) == 0, timeout_s, "the watchdog to read the sample")
+    finally:
+        os.close(fd)
+
+
+def test_a_good_sample_between_bad_ones_resets_the_debounce(tmp_path, procs):
+    """Samples fed one by one through --meminfo (a FIFO): bad, bad, good, bad, bad is never three
+    bad in a row, so no trip with a debounce of 3; the next bad one trips, with the three."""
+    state = tmp_path / "state"
+    fifo = tmp_path / "meminfo"
+    os.mkfifo(fifo)
+    stopped = tmp_path / "stopped"
+    wd = procs(
+        watchdog_cmd(
+            state,
+            "--container",
+            "lab-vllm",
+            "--debounce",
+            3,
+            "--avail-floor-mib",
+            6144,
+            "--free-floor-mib",
+            16,
+            "--meminfo",
+            fifo,
+            "--running-cmd",
+            "true",
+            "--logs-cmd",
+            "echo container log",
+            "--stop-cmd",
+            f"touch {stopped}",
+            interval_s=0.05,
+        )  # fmt: skip
+    )
+    bad, good = meminfo_text(1000, 500), meminfo_text(50_000, 40_000)
+    for text in (bad, bad, good, bad, bad):
+        feed(wd.pid, fifo, text)
+    feed(wd.pid, fifo, bad)  # the third bad in a row; this returns once the fifth was handled
+    assert markers(state, "emergency") == [], "tripped on bad samples that were not consecutive"
+    assert not stopped.exists()
+    feed(wd.pid, fifo, good)  # returns once the sixth (the third bad in a row) was handled
+    [marker] = markers(state, "emergency")
+    assert [r["mem_available_bytes"] for r in marker["readings"]] == [1000 * 1024 * 1024] * 3
+    assert "MemAvailable 1000 MiB < floor 6144 MiB" in marker["reason"]
+    wait_for(stopped.exists, 10, "the stop command")
+    feed(wd.pid, fifo, good)
+    assert len(markers(state, "emergency")) == 1, "the good sample after the trip trips nothing"

@@ -380,6 +380,76 @@ BAD = {
 }
 
 
+def _set_scalar(snap: Path, tensor: str, value: float) -> None:
+    """Overwrite a scalar F32 tensor's value in place (header and size unchanged)."""
+    path = _file_of(snap, tensor)
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    start = json.loads(raw[8 : 8 + n])[tensor]["data_offsets"][0]
+    _patch_bytes(path, 8 + n + start, np.float32(value).tobytes())
+
+
+BAD.update(
+    {
+        "nan global scale": (
+            lambda s: _set_scalar(s, f"{EMB}.weight_scale_2", float("nan")),
+            r"weight_scale_2' holds nan, not a positive scale",
+        ),
+        "zero global scale": (
+            lambda s: _set_scalar(s, f"{EMB}.weight_scale_2", 0.0),
+            r"weight_scale_2' holds 0.0, not a positive scale",
+        ),
+    }
+)
+# The same checks on an FP8 snapshot (one F32 weight_scale, no block scales).
+BAD_FP8 = {
+    "fp8 nan scale": (
+        lambda s: _set_scalar(s, f"{EMB}.weight_scale", float("nan")),
+        r"weight_scale' holds nan, not a positive scale",
+    ),
+    "fp8 zero scale": (
+        lambda s: _set_scalar(s, f"{EMB}.weight_scale", 0.0),
+        r"weight_scale' holds 0.0, not a positive scale",
+    ),
+    "fp8 negative scale": (
+        lambda s: _set_scalar(s, f"{EMB}.weight_scale", -1.5),
+        r"weight_scale' holds -1.5, not a positive scale",
+    ),
+    "fp8 no scale": (
+        lambda s: _edit_index(s, lambda m: m.pop(f"{EMB}.weight_scale")),
+        r"weight_scale",
+    ),
+    "fp8 declared nvfp4": (
+        lambda s: _edit_config(s, lambda c: c.update(ple_embedding_dtype="nvfp4")),
+        r"ple_embedding_dtype is 'nvfp4' but the shards are F8_E4M3",
+    ),
+    "fp8 wrong shard dtype": (
+        lambda s: _rewrite_header(s, f"{EMB}.shard_2.weight", dtype="U8"),
+        r"shard_2.weight.*expected F8_E4M3",
+    ),
+}
+
+
+def _refused(snap: Path, out: Path, message: str) -> None:
+    import re
+
+    res = cli("build-table", snap, out)
+    assert res.returncode == 1, res.stderr
+    assert re.search(message, res.stderr), res.stderr
+    assert "nothing new was published" in res.stderr
+    assert "Traceback" not in res.stderr and len(res.stderr.splitlines()) == 2, res.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("case", BAD_FP8, ids=list(BAD_FP8))
+def test_bad_fp8_input_is_refused_and_writes_nothing(snapshots, tmp_path, case):
+    snap = tmp_path / "snap"
+    shutil.copytree(snapshots("fp8", quant="fp8", files=3), snap)
+    breaker, message = BAD_FP8[case]
+    breaker(snap)
+    _refused(snap, tmp_path / "t", message)
+
+
 @pytest.mark.parametrize("case", BAD, ids=list(BAD))
 def test_bad_input_is_refused_and_writes_nothing(snapshots, tmp_path, case):
     snap = tmp_path / "snap"

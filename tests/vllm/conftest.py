@@ -1,8 +1,12 @@
 """The real vLLM 0.33.0 sources, from the PyPI wheel, cached per machine in `.cache/`.
 
 `vllm_originals` downloads the wheel once (`pip download --no-deps`) and extracts the files the
-patch profile touches. `vllm_venv` builds a test virtualenv with CPU torch 2.13, the wheel
-installed `--no-deps`, and only the dependencies importing the Qwen4Exp PLE modules needs.
+patch profile touches. `vllm_venv` builds a test virtualenv with the torch and torchvision the
+wheel itself pins (its METADATA's `torch==`/`torchvision==`: with a torchvision that matches its
+torch, vLLM's ModelConfig can import the model class to inspect its architecture), the wheel
+installed `--no-deps`, and only the dependencies its config and the Qwen4Exp PLE modules need
+(venv-requirements.txt). PyPI's torch for x86_64 is a CUDA build: about 5.5 GB in the venv and
+about 2 minutes to install, the CUDA libraries unused on a CPU-only machine.
 Both are created under a lock and marked complete only at the end, so an interrupted run is
 redone rather than trusted.
 """
@@ -10,6 +14,7 @@ redone rather than trusted.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,8 +32,23 @@ EXTRACT_PREFIXES = (
     "vllm/models/qwen4_exp/",
     "vllm/model_executor/model_loader/ep_weight_filter.py",
 )
-# torch 2.13.0 (CPU) is a local file pip finds; vLLM's own pin (2.14) would download GBs.
-TORCH_PIN = "torch==2.13.0"
+# The wheel's own pins that the venv follows (vision models and ModelConfig's inspection import
+# torchvision, which only loads beside the torch it was built for).
+PINNED = ("torch", "torchvision")
+
+
+def wheel_pins(wheel: Path, names: tuple[str, ...] = PINNED) -> list[str]:
+    """`name==version` for each of names, as the wheel's METADATA pins them."""
+    with zipfile.ZipFile(wheel) as archive:
+        (meta,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+        text = archive.read(meta).decode()
+    pins = {}
+    for match in re.finditer(r"^Requires-Dist: ([A-Za-z0-9_.-]+)==([^;\s]+)\s*$", text, re.M):
+        pins[match.group(1).lower()] = f"{match.group(1)}=={match.group(2)}"
+    missing = [n for n in names if n not in pins]
+    if missing:
+        raise RuntimeError(f"{wheel.name} pins no exact version of {missing}")
+    return [pins[n] for n in names]
 
 
 @pytest.fixture(scope="session")
@@ -63,17 +83,18 @@ def vllm_venv() -> Path:
     if override:
         return Path(override)
     wheel = vllm_wheel()
+    pins = wheel_pins(wheel)
     requirements = HERE / "venv-requirements.txt"
-    stamp_text = f"{wheel.name}\n{TORCH_PIN}\n{requirements.read_text()}"
+    stamp_text = f"{wheel.name}\n{pins}\n{requirements.read_text()}"
     done = VENV_DIR / ".complete"
     with locked("vllm-venv"):
         if not (done.is_file() and done.read_text() == stamp_text):
             shutil.rmtree(VENV_DIR, ignore_errors=True)
             subprocess.run([sys.executable, "-m", "venv", str(VENV_DIR)], check=True)
             python = _venv_python()
-            pip(python, "install", TORCH_PIN)
+            pip(python, "install", *pins)
             constraints = VENV_DIR / "constraints.txt"
-            constraints.write_text(TORCH_PIN + "\n")
+            constraints.write_text("\n".join(pins) + "\n")
             pip(python, "install", "-c", str(constraints), "-r", str(requirements))
             pip(python, "install", "--no-deps", str(wheel))
             done.write_text(stamp_text)

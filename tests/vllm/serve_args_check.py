@@ -11,7 +11,8 @@ collected with parse_known_args first, then parse_args, validate_parsed_serve_ar
 EngineArgs.from_cli_args run as the server runs them. With `config_dir` (a local copy of the
 snapshot's config.json and index), the parsed model path (the container's) is swapped for it
 before EngineArgs is built, and create_engine_config goes as far as vLLM gets on a CPU-only
-machine; where it stops is reported. `flags` maps every option string of the parser to
+machine: on CPU it builds the whole VllmConfig (what it holds is reported), or where it stops
+and with which message is. `flags` maps every option string of the parser to
 whether it takes a value (for the lab server's accepted set).
 """
 
@@ -96,7 +97,7 @@ def check(parser, request: dict) -> dict:
         try:
             config = engine_args.create_engine_config()
             engine["built"] = True
-            engine["max_model_len"] = config.model_config.max_model_len
+            engine.update(engine_values(config))
         except (SystemExit, Exception) as exc:  # noqa: BLE001 - where vLLM stops on a CPU
             engine["built"] = False
             frames = traceback.extract_tb(exc.__traceback__)
@@ -112,6 +113,35 @@ def check(parser, request: dict) -> dict:
                 engine["model_module_import"] = f"{type(err).__name__}: {err}"
     result["engine"] = engine
     return result
+
+
+def engine_values(config) -> dict:
+    """What the built VllmConfig holds, after vLLM's own checks and the CPU platform's changes."""
+    model = config.model_config
+    spec = config.speculative_config
+    rope = getattr(model.hf_text_config, "rope_parameters", None)
+    return {
+        "max_model_len": model.max_model_len,
+        "architecture": model.architecture,
+        "dtype": str(model.dtype),
+        "max_position_embeddings": getattr(model.hf_text_config, "max_position_embeddings", None),
+        "rope_type": rope.get("rope_type") if isinstance(rope, dict) else None,
+        "kv_cache_dtype": str(config.cache_config.cache_dtype),
+        "mamba_ssm_cache_dtype": str(config.cache_config.mamba_ssm_cache_dtype),
+        "max_num_seqs": config.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+        "speculative": None
+        if spec is None
+        else {
+            "method": spec.method,
+            "num_speculative_tokens": spec.num_speculative_tokens,
+            "draft_architecture": spec.draft_model_config.architecture
+            if spec.draft_model_config is not None
+            else None,
+        },
+        "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+        "device_type": str(config.device_config.device_type),
+    }
 
 
 def main() -> int:

@@ -172,13 +172,14 @@ def fake_nvidia_smi(bin_dir: Path) -> None:
     script.chmod(0o755)
 
 
-def test_preamble_refuses_a_torch_without_cuda(vllm_venv: Path, tmp_path: Path) -> None:
+def test_preamble_refuses_a_torch_without_cuda(tmp_path: Path) -> None:
+    # the test runner's own Python has the CPU build of torch (the vLLM venv has a CUDA one)
     fake_nvidia_smi(tmp_path / "bin")
     env = {
         **os.environ,
         **OFFLINE,
         "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
-        "PYTHON": str(vllm_venv),
+        "PYTHON": sys.executable,
         "GPU_CHECK_OUT": str(tmp_path / "out"),
     }
     proc = subprocess.run(

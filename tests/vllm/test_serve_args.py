@@ -2,8 +2,8 @@
 
 The plans come from `sparkple serving-plan` on a synthetic snapshot in the HF cache layout; the
 parser, `validate_parsed_serve_args` and `EngineArgs.from_cli_args` run in the CPU test venv
-(`VLLM_TARGET_DEVICE=cpu`). molecule/default's verify runs `test_lab_container_args` with the
-arguments the lab's serving container really received (SPARKPLE_LAB_SERVE_ARGS).
+(`VLLM_TARGET_DEVICE=cpu`). molecule/default's verify runs tests/vllm/lab_container_args.py (not
+collected otherwise) with the arguments the lab's serving container really received.
 """
 
 from __future__ import annotations
@@ -94,9 +94,47 @@ def assert_matches(values: dict, want: dict) -> None:
     assert not diff, f"parsed by vLLM vs the recipe: {diff}"
 
 
+# The tokens vLLM's qwen3 reasoning parser and qwen3_coder tool parser look up in the vocabulary
+# when the engine config is built (ReasoningConfig tokenizes the think markers).
+SPECIAL_TOKENS = (
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+)
+
+
+def write_tokenizer(snapshot: Path) -> None:
+    """A word-level tokenizer.json with the model's special tokens (the snapshot's own stand-in
+    for the real tokenizer, which the synthetic checkpoint does not carry)."""
+    vocab = {t: i for i, t in enumerate(("<unk>", *SPECIAL_TOKENS, "hello", "spark"))}
+    added = [
+        {"id": vocab[t], "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": t.startswith("<|")}
+        for t in SPECIAL_TOKENS
+    ]  # fmt: skip
+    tokenizer = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+        "normalizer": None, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None,
+        "decoder": None, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"},
+    }  # fmt: skip
+    (snapshot / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>",
+              "eos_token": "<|im_end|>", "model_max_length": 524_288}  # fmt: skip
+    (snapshot / "tokenizer_config.json").write_text(json.dumps(config))
+
+
 @pytest.fixture(scope="module")
 def snapshot(tmp_path_factory) -> Path:
-    return hf_cache_snapshot(tmp_path_factory.mktemp("serve-args"), files=2, seed=11)
+    snap = hf_cache_snapshot(tmp_path_factory.mktemp("serve-args"), files=2, seed=11)
+    write_tokenizer(snap)
+    return snap
+
+
+def replace_arg(argv: list[str], flag: str, value: str) -> list[str]:
+    return [f"{flag}={value}" if a.startswith(f"{flag}=") else a for a in argv]
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +150,18 @@ def checked(vllm_venv: Path, snapshot: Path, tmp_path_factory) -> dict:
     cases["typo"] = {"args": [*good, "--max-num-sequences=4"]}
     cases["mangled-json"] = {
         "args": [a.replace('"', "") if a.startswith("--speculative") else a for a in good]
+    }
+    # what vLLM's own config checks must refuse: a length beyond the YaRN factor's (the plan's
+    # --hf-overrides scale the context to 524288; 786432 is past it), a KV dtype it does not know
+    yarn = plans["fp8-kv-yarn"][1]["argv"]
+    config_dir = str(snapshot)
+    cases["beyond-yarn"] = {
+        "args": replace_arg(yarn, "--max-model-len", "786432"),
+        "config_dir": config_dir,
+    }
+    cases["bad-kv-dtype"] = {
+        "args": replace_arg(good, "--kv-cache-dtype", "int8"),
+        "config_dir": config_dir,
     }
     result = run_check(vllm_venv, cases, tmp_path_factory.mktemp("serve-check"))
     return {"plans": plans, **result}
@@ -147,15 +197,68 @@ def test_the_check_catches_a_wrong_flag_and_mangled_json(checked: dict) -> None:
     assert "speculative" in mangled["error"].lower() or "json" in mangled["error"].lower()
 
 
-def test_engine_config_on_cpu_gets_to_the_model_config(checked: dict) -> None:
-    """How far create_engine_config gets from the snapshot's config.json on a CPU-only venv."""
-    engine = checked["cases"]["production"]["engine"]
-    if engine.get("built"):
-        assert engine["max_model_len"] == 262_144
-        return
-    # it read the snapshot's config.json through the HF cache symlinks and got into ModelConfig
-    assert engine["model_config_reached"], engine
-    print(f"create_engine_config stops: {engine['stopped_with']} in {engine['stopped_in'][-3:]}")
+@pytest.mark.parametrize("name", list(CASES))
+def test_vllm_builds_the_engine_config_of_each_plan_on_cpu(checked: dict, name: str) -> None:
+    """create_engine_config from the snapshot's config.json runs to the end on a CPU: vLLM's
+    ModelConfig (architecture inspection, max-length, dtype), its YaRN reading of
+    --hf-overrides, the speculative, cache and scheduler configs, and the CPU platform's
+    check_and_update_config."""
+    recipe, the_plan = checked["plans"][name]
+    engine = checked["cases"][name]["engine"]
+    assert engine.get("built"), {k: engine.get(k) for k in ("stopped_with", "stopped_in")}
+    r = Recipe(**{k: v for k, v in recipe.items() if k in Recipe.__dataclass_fields__})
+    assert engine["architecture"] == "Qwen4ExpForConditionalGeneration"
+    assert engine["max_model_len"] == r.max_model_len
+    # the checkpoint's config has no dtype: vLLM's "auto" takes bfloat16
+    assert engine["dtype"] == "torch.bfloat16"
+    assert engine["kv_cache_dtype"] == r.kv_cache_dtype
+    assert engine["mamba_ssm_cache_dtype"] == r.mamba_ssm_cache_dtype
+    assert engine["max_num_seqs"] == r.max_num_seqs
+    assert engine["max_num_batched_tokens"] == r.max_num_batched_tokens
+    if r.max_model_len > 262_144:  # YaRN: vLLM derived the longer context from the overrides
+        assert engine["rope_type"] == "yarn"
+        assert engine["max_position_embeddings"] == r.max_model_len
+    if r.mtp_depth:
+        assert engine["speculative"] == {
+            "method": "mtp",
+            "num_speculative_tokens": r.mtp_depth,
+            "draft_architecture": "Qwen4ExpMTP",
+        }
+    else:
+        assert engine["speculative"] is None
+    # what only a CUDA platform keeps: the CPU platform turns CUDA graphs off (the parsed
+    # FULL_DECODE_ONLY is checked above, in test_vllm_parses_the_plan_to_the_recipe)
+    assert engine["device_type"] == "cpu" and engine["cudagraph_mode"] == "NONE"
+
+
+def test_vllm_refuses_a_max_model_len_beyond_the_yarn_factor(checked: dict) -> None:
+    engine = checked["cases"]["beyond-yarn"]["engine"]
+    assert engine["built"] is False
+    assert engine["stopped_in"][-3:] == [
+        "create_engine_config (arg_utils.py)",
+        "create_model_config (arg_utils.py)",
+        "__init__ (_dataclasses.py)",
+    ]
+    assert engine["stopped_with"].startswith(
+        "ValidationError: 1 validation error for ModelConfig Value error, User-specified "
+        "max_model_len (786432) is greater than the derived max_model_len "
+        "(max_position_embeddings=524288.0 "
+    ), engine["stopped_with"]
+
+
+def test_vllm_refuses_a_kv_cache_dtype_it_does_not_know(checked: dict) -> None:
+    case = checked["cases"]["bad-kv-dtype"]
+    assert case["error"] is None, "the parser takes any string: CacheConfig is the check"
+    engine = case["engine"]
+    assert engine["built"] is False
+    assert engine["stopped_in"][-2:] == [
+        "create_engine_config (arg_utils.py)",
+        "__init__ (_dataclasses.py)",
+    ]
+    assert engine["stopped_with"].startswith(
+        "ValidationError: 1 validation error for CacheConfig cache_dtype Value error, "
+        "Invalid kv_cache_dtype: 'int8'. Valid values are: ['auto', "
+    ), engine["stopped_with"]
 
 
 def test_lab_server_accepts_only_vllm_flags(checked: dict) -> None:
@@ -171,35 +274,3 @@ def test_lab_server_accepts_only_vllm_flags(checked: dict) -> None:
             if flag in ("--enable-prefix-caching", "--default-chat-template-kwargs"):
                 continue  # the "extra" case's free arguments
             assert flag in lab.ACCEPTED_FLAGS, f"the lab server would refuse {flag}"
-
-
-LAB_ARGS = os.environ.get("SPARKPLE_LAB_SERVE_ARGS")
-
-
-@pytest.mark.skipif(not LAB_ARGS, reason="molecule/default verify runs it with the lab's args")
-def test_lab_container_args(vllm_venv: Path, tmp_path: Path) -> None:
-    """The args docker delivered to the lab's serving container (after systemd's quoting)."""
-    lab = json.loads(Path(LAB_ARGS).read_text())
-    args = lab["args"]
-    # drop the entrypoint's own words: the lab image runs `python3 /opt/sparkple-lab/lab_server.py`
-    # (`vllm serve` on a Spark: Path "vllm", first arg "serve")
-    for words in (["/opt/sparkple-lab/lab_server.py"], ["serve"]):
-        if args[: len(words)] == words:
-            args = args[len(words) :]
-    case = {"args": args, "config_dir": lab.get("config_dir")}
-    result = run_check(vllm_venv, {"lab": case}, tmp_path)["cases"]["lab"]
-    assert result["unknown"] == [], f"vLLM 0.33.0 does not know {result['unknown']}"
-    assert result["error"] is None, result["error"]
-    recipe = lab["recipe"]
-    # the lab serves the production recipe (only budget knobs and GPU flags differ)
-    production = Recipe(model=recipe["model"], served_model_name="qwen3.8-flash-next")
-    for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype",
-                "mamba_ssm_cache_dtype", "mtp_depth", "reasoning_parser", "tool_call_parser",
-                "cudagraph_mode", "safetensors_load_strategy", "chunked_prefill",
-                "served_model_name"):  # fmt: skip
-        assert recipe[key] == getattr(production, key), key
-    want = expected_values(recipe, lab["gpu_memory_utilization"])
-    assert_matches(result["values"], want)
-    engine = result["engine"]
-    print(json.dumps({"engine": engine}, indent=1))
-    assert engine.get("built") or engine.get("model_config_reached"), engine

@@ -1,7 +1,16 @@
-"""A bounded client for the fleet scenario: completions through the gateway, one at a time.
+"""A bounded load for the fleet scenario: concurrent streaming completions through the gateway.
+
+--clients threads each send one streaming completion after the other (`"stream": true`, as a
+chat client does; the lab server takes SPARKPLE_LAB_TOKEN_DELAY_S per token, so each lasts
+seconds). Meanwhile one thread reads the gateway's server states (`--gateway-show`, e.g.
+`sparkple-gateway show`) every --poll-s, to know when each server was drained.
 
 Stops at --max-requests, at --max-seconds, or when --stop-file appears, whichever comes first,
-and writes what it saw to --out as JSON: ok/failed counts, the failures, requests per server.
+and records which. Writes to --out as JSON: requests sent, ok, failed (with the first
+failures), truncated streams (no final chunk with a finish_reason, or no `data: [DONE]`), the
+most requests seen in flight at once, requests per server, and per drained server the
+requests in flight across its drain: started while the gateway still showed it UP, ended after
+it showed it draining.
 """
 
 from __future__ import annotations
@@ -9,54 +18,192 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
+from typing import Any
+
+
+class Load:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.lock = threading.Lock()
+        self.sent = 0
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.done: list[dict[str, Any]] = []
+        self.stop_reason = ""
+        self.start = time.time()
+        # each change of a server's status the gateway showed, with the polls around it
+        self.changes: list[dict[str, Any]] = []
+
+    def should_stop(self) -> bool:
+        """Decide (once) whether to stop, and why; every thread asks before a new request."""
+        with self.lock:
+            if not self.stop_reason:
+                if os.path.exists(self.args.stop_file):
+                    self.stop_reason = "stop-file"
+                elif self.sent >= self.args.max_requests:
+                    self.stop_reason = "max-requests"
+                elif time.time() - self.start >= self.args.max_seconds:
+                    self.stop_reason = "max-seconds"
+            return bool(self.stop_reason)
+
+    def client(self) -> None:
+        body = json.dumps(
+            {
+                "model": self.args.model,
+                "prompt": "hello fleet",
+                "max_tokens": self.args.max_tokens,
+                "stream": True,
+            }
+        ).encode()
+        while not self.should_stop():
+            with self.lock:
+                self.sent += 1
+                self.in_flight += 1
+                self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            record = self.one(body)
+            with self.lock:
+                self.in_flight -= 1
+                self.done.append(record)
+
+    def one(self, body: bytes) -> dict[str, Any]:
+        """One streaming request: when it started and ended, where it went, how it ended."""
+        record: dict[str, Any] = {"start": time.time(), "server": "?", "chunks": 0}
+        req = urllib.request.Request(
+            self.args.url, data=body, headers={"Content-Type": "application/json"}
+        )
+        finish, done_seen = None, False
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                record["server"] = resp.headers.get("X-Sparkple-Server", "?")
+                for raw in resp:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[len("data: ") :]
+                    if data == "[DONE]":
+                        done_seen = True
+                        continue
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise ValueError(f"error chunk: {chunk['error']}")
+                    record["chunks"] += 1
+                    finish = chunk["choices"][0]["finish_reason"] or finish
+            if record["chunks"] != self.args.max_tokens or finish != "length" or not done_seen:
+                record["truncated"] = True
+                raise ValueError(
+                    f"truncated stream: {record['chunks']} of {self.args.max_tokens} chunks, "
+                    f"finish_reason {finish}, [DONE] {'seen' if done_seen else 'missing'}"
+                )
+            record["ok"] = True
+        except (OSError, ValueError, KeyError, IndexError, urllib.error.HTTPError) as exc:
+            record["ok"] = False
+            record["error"] = f"{type(exc).__name__}: {exc}"
+        record["end"] = time.time()
+        return record
+
+    def watch_gateway(self) -> None:
+        cmd = shlex.split(self.args.gateway_show)
+        last: dict[str, tuple[float, str]] = {}  # per server: the last poll's time and status
+        while not self.stop_reason or self.in_flight:
+            now = time.time()
+            try:
+                rows = json.loads(subprocess.run(cmd, capture_output=True, check=True).stdout)
+            except (OSError, ValueError, subprocess.CalledProcessError):
+                rows = []
+            with self.lock:
+                for row in rows:
+                    server, status = row["server"], row["status"]
+                    before = last.get(server)
+                    if before is not None and before[1] != status:
+                        # the change happened between the two polls
+                        self.changes.append(
+                            {
+                                "server": server,
+                                "from": before[1],
+                                "to": status,
+                                "last_before": before[0],
+                                "seen_at": now,
+                            }  # fmt: skip
+                        )
+                    last[server] = (now, status)
+            time.sleep(self.args.poll_s)
+
+    def drains(self) -> dict[str, list[dict[str, Any]]]:
+        """Per server, each change from UP and the requests in flight across it: started
+        while the gateway still showed UP, ended after it showed the change."""
+        out: dict[str, list[dict[str, Any]]] = {}
+        for change in self.changes:
+            if change["from"] != "UP":
+                continue
+            across = [
+                r
+                for r in self.done
+                if r["server"] == change["server"]
+                and r["ok"]
+                and r["start"] < change["last_before"]
+                and r["end"] > change["seen_at"]
+            ]
+            out.setdefault(change["server"], []).append({**change, "in_flight": len(across)})
+        return out
+
+    def result(self) -> dict[str, Any]:
+        failures = [r for r in self.done if not r["ok"]]
+        per_server: dict[str, int] = {}
+        for r in self.done:
+            if r["ok"]:
+                per_server[r["server"]] = per_server.get(r["server"], 0) + 1
+        drains = self.drains()
+        return {
+            "sent": self.sent,
+            "ok": len(self.done) - len(failures),
+            "failed": len(failures),
+            "truncated": sum(1 for r in self.done if r.get("truncated")),
+            "failures": [
+                f"{r['start'] - self.start:.2f}s {r['server']}: {r['error']}" for r in failures
+            ][:20],
+            "clients": self.args.clients,
+            "concurrent": self.most_in_flight,
+            "per_server": per_server,
+            "drains": drains,
+            "in_flight_across_drains": {
+                s: sum(d["in_flight"] for d in ds) for s, ds in drains.items()
+            },
+            "stop_reason": self.stop_reason,
+            "stopped_at": time.time(),
+            "seconds": round(time.time() - self.start, 1),
+        }
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", required=True)
+    p.add_argument("--model", required=True, help="the served model name")
+    p.add_argument("--clients", type=int, default=4, help="concurrent streaming clients")
+    p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--max-requests", type=int, required=True)
     p.add_argument("--max-seconds", type=float, required=True)
     p.add_argument("--stop-file", required=True)
+    p.add_argument("--gateway-show", required=True, help="command printing the servers' JSON")
+    p.add_argument("--poll-s", type=float, default=0.2)
     p.add_argument("--out", required=True)
-    p.add_argument("--pause", type=float, default=0.05)
     args = p.parse_args()
-    body = json.dumps(
-        {"model": "Qwen/Qwen3.8-Flash-Next", "prompt": "hello fleet", "max_tokens": 4}
-    ).encode()
-    ok, failures, per_server = 0, [], {}
-    start = time.monotonic()
-    sent = 0
-    while sent < args.max_requests and time.monotonic() - start < args.max_seconds:
-        if os.path.exists(args.stop_file):
-            break
-        sent += 1
-        req = urllib.request.Request(
-            args.url, data=body, headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                answer = json.loads(resp.read())
-                server = resp.headers.get("X-Sparkple-Server", "?")
-            if answer["usage"]["completion_tokens"] != 4:
-                raise ValueError(f"{answer['usage']['completion_tokens']} tokens instead of 4")
-            ok += 1
-            per_server[server] = per_server.get(server, 0) + 1
-        except (OSError, ValueError, KeyError, urllib.error.HTTPError) as exc:
-            failures.append(f"{time.monotonic() - start:.2f}s {type(exc).__name__}: {exc}")
-        time.sleep(args.pause)
-    result = {
-        "sent": sent,
-        "ok": ok,
-        "failed": len(failures),
-        "failures": failures[:20],
-        "per_server": per_server,
-        "seconds": round(time.monotonic() - start, 1),
-    }
+    load = Load(args)
+    watcher = threading.Thread(target=load.watch_gateway, daemon=True)
+    watcher.start()
+    clients = [threading.Thread(target=load.client) for _ in range(args.clients)]
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join()
+    watcher.join(10)
     with open(args.out + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(result, f)
+        json.dump(load.result(), f)
     os.replace(args.out + ".tmp", args.out)
     return 0
 

@@ -2,8 +2,14 @@
 """sparkple-gateway: drain, ready and show the Sparks behind HAProxy, through its admin socket.
 
   sparkple-gateway show                      one JSON object per server of the backend
-  sparkple-gateway drain HOST [--timeout S]  no new requests, wait for the running ones, then MAINT
+  sparkple-gateway drain HOST                no new requests for HOST (those it runs go on)
+  sparkple-gateway maint HOST                maintenance: HAProxy stops checking it too
   sparkple-gateway ready HOST [--timeout S]  back into the pool, wait until the checks say UP
+
+A host is drained when its engine has no running and no waiting request (vLLM's
+num_requests_running + num_requests_waiting): the rollout waits for that on the host's own
+/metrics between `drain` and `maint`, with or without a gateway, rather than on HAProxy's
+connection counts, which do not see the engine's queue.
 
 Exit status: 0 done, 1 the server did not reach the state in time, 2 bad usage or no such server.
 """
@@ -19,6 +25,8 @@ import sys
 import time
 
 ERR = sys.stderr
+# Seconds HAProxy gets to show an admin state it was told to take (it takes it at once).
+STATE_CHANGE_S = 10.0
 
 
 def command(sock_path: str, line: str) -> str:
@@ -75,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--socket", default="/run/haproxy/admin.sock")
     p.add_argument("--backend", default="sparks")
-    p.add_argument("action", choices=["show", "drain", "ready"])
+    p.add_argument("action", choices=["show", "drain", "maint", "ready"])
     p.add_argument("host", nargs="?")
     p.add_argument("--timeout", type=float, default=120.0)
     args = p.parse_args(argv)
@@ -97,28 +105,36 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     target = f"{args.backend}/{args.host}"
+    limit = args.timeout if args.action == "ready" else STATE_CHANGE_S
     try:
         if args.action == "drain":
+            # DRAIN once taken; a server that is down (not started yet) stays DOWN: no new
+            # requests go to either
             command(args.socket, f"set server {target} state drain")
-            wait_for(
+            row = wait_for(
                 args.socket,
                 args.backend,
                 args.host,
-                lambda r: r["scur"] == 0 and r["qcur"] == 0,
-                args.timeout,
+                lambda r: not r["status"].startswith("UP"),
+                limit,
             )
+        elif args.action == "maint":
             command(args.socket, f"set server {target} state maint")
             row = wait_for(
-                args.socket, args.backend, args.host, lambda r: r["status"].startswith("MAINT"), 10
+                args.socket,
+                args.backend,
+                args.host,
+                lambda r: r["status"].startswith("MAINT"),
+                limit,
             )
         else:
             command(args.socket, f"set server {target} state ready")
             row = wait_for(
-                args.socket, args.backend, args.host, lambda r: r["status"] == "UP", args.timeout
+                args.socket, args.backend, args.host, lambda r: r["status"] == "UP", limit
             )
     except TimeoutError as exc:
         print(
-            f"sparkple-gateway: {target} did not {args.action} within {args.timeout:.0f} s: {exc}",
+            f"sparkple-gateway: {target} did not {args.action} within {limit:.0f} s: {exc}",
             file=ERR,
         )
         return 1

@@ -1,0 +1,3 @@
+"""Plugins for every test: skip_guard (no silent skips under CI=true)."""
+
+pytest_plugins = ["skip_guard"]
