@@ -62,18 +62,18 @@ CASES: list[tuple[str, list[dict[str, str]], str, list[tuple[dict[str, str], str
     (
         "SparkpleEngineDown",
         [
-            series("up", "0x5", host="a", job="sparkple-vllm"),
+            series("up", "0x5", host="a", job="spark-vllm"),
             # stopped on purpose: quiet
-            series("up", "0x5", host="b", job="sparkple-vllm"),
+            series("up", "0x5", host="b", job="spark-vllm"),
             series("sparkple_supervisor_manual_stop", "1x5", host="b"),
-            series("up", "1x5", host="c", job="sparkple-vllm"),
+            series("up", "1x5", host="c", job="spark-vllm"),
             # a node exporter that is down is not the engine
-            series("up", "0x5", host="c", job="sparkple-node"),
+            series("up", "0x5", host="c", job="spark-node"),
         ],
         "3m",
         [
             (
-                {"host": "a", "job": "sparkple-vllm"},
+                {"host": "a", "job": "spark-vllm"},
                 "a: the vLLM server does not answer /metrics and was not stopped on purpose",
             )
         ],

@@ -48,7 +48,8 @@ def gauges(port: int) -> dict[str, float]:
         text = r.read().decode()
     values = {}
     for line in text.splitlines():
-        if line.startswith("vllm:"):
+        # the scheduler's gauges (the lab exports vLLM's token and latency series beside them)
+        if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")):
             name, value = line.rsplit(" ", 1)
             assert name.endswith(f'{{engine="0",model_name="{MODEL}"}}'), name
             values[name.split("{", 1)[0]] = float(value)

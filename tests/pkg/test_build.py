@@ -444,7 +444,7 @@ def _refused(snap: Path, out: Path, message: str) -> None:
 @pytest.mark.parametrize("case", BAD_FP8, ids=list(BAD_FP8))
 def test_bad_fp8_input_is_refused_and_writes_nothing(snapshots, tmp_path, case):
     snap = tmp_path / "snap"
-    shutil.copytree(snapshots("fp8", quant="fp8", files=3), snap)
+    shutil.copytree(snapshots("fp8-3files", quant="fp8", files=3), snap)
     breaker, message = BAD_FP8[case]
     breaker(snap)
     _refused(snap, tmp_path / "t", message)
