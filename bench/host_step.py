@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from measure import log, read_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -53,18 +54,6 @@ MTP = 3
 MAX_TOKENS = CHUNK + (DECODERS + 1) * (MTP + 1)
 MAX_MODEL_LEN = PROMPT_TOKENS + 512
 OLD_SPIN_S = 0.00005  # what the previous rendered module passed to the handshake waiter
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def read_bytes() -> int:
-    with open("/proc/self/io") as f:
-        for line in f:
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    raise RuntimeError("/proc/self/io has no read_bytes")
 
 
 # ------------------------------------------------------------------------------ driver

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from measure import log, read_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -54,18 +55,6 @@ from sparkple.worker import GatherWorker  # noqa: E402
 PAGE = mmap.PAGESIZE
 HEADS = 16
 PREFILL_ROWS = 32_768  # one 2,048-token prefill chunk x 16 heads
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def read_bytes() -> int:
-    with open("/proc/self/io") as f:
-        for line in f:
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    raise RuntimeError("/proc/self/io has no read_bytes")
 
 
 def major_faults() -> int:

@@ -9,9 +9,10 @@ vLLM's layer from it.
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 from pathlib import Path
+
+from measure import log
 
 from sparkple.build import build_table
 from sparkple.errors import TableError
@@ -32,12 +33,12 @@ def ensure_table(work: Path, gib: float, keep_snapshot: bool = False) -> tuple[P
         pass
     snap = work / "snapshot"
     shutil.rmtree(snap, ignore_errors=True)
-    print(f"building a {gib:g} GiB synthetic table in {table_dir} ...", file=sys.stderr, flush=True)
+    log(f"building a {gib:g} GiB synthetic table in {table_dir} ...")
     t0 = time.perf_counter()
     synth_checkpoint(snap, vocab_base=vocab_base_for_bytes(target), files=max(2, int(gib)))
     build_table(snap, table_dir, force=True, quiet=True)
     shutil.copy(snap / "config.json", config)
     if not keep_snapshot:
         shutil.rmtree(snap)
-    print(f"built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    log(f"built in {time.perf_counter() - t0:.0f} s")
     return table_dir, config, False
