@@ -24,12 +24,11 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from wheel_cache import CACHE, VLLM_VERSION, locked, vllm_wheel  # noqa: E402
+from wheel_cache import CACHE, VLLM_VERSION, extract_once, vllm_wheel  # noqa: E402
 
 MIB = 1024**2
 MAX_BYTES = 60 * MIB
@@ -43,19 +42,13 @@ WITH_TORCH = {"torch", "triton", "sparkple", "vllm"}
 
 def extract_sources(wheel: Path, dest: Path) -> Path:
     """The wheel's vllm package without compiled parts, and its metadata, into dest."""
-    done = dest / ".complete"
-    stamp = f"{wheel.name}\n{WHEEL_PARTS}\n"
-    with locked("vllm-python-sources"):
-        if not (done.is_file() and done.read_text() == stamp):
-            shutil.rmtree(dest, ignore_errors=True)
-            with zipfile.ZipFile(wheel) as archive:
-                for member in archive.namelist():
-                    top = member.split("/", 1)[0]
-                    wanted = top == "vllm" or top == f"vllm-{VLLM_VERSION}.dist-info"
-                    if wanted and member.endswith(WHEEL_PARTS):
-                        archive.extract(member, dest)
-            done.write_text(stamp)
-    return dest
+
+    def wanted(member: str) -> bool:
+        top = member.split("/", 1)[0]
+        package = top == "vllm" or top == f"vllm-{VLLM_VERSION}.dist-info"
+        return package and member.endswith(WHEEL_PARTS)
+
+    return extract_once(wheel, dest, "vllm-python-sources", wanted, str(WHEEL_PARTS))
 
 
 def run(cmd: list[str], **kwargs) -> str:

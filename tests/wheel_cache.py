@@ -7,9 +7,11 @@ integration), so there is one download, under one lock.
 from __future__ import annotations
 
 import fcntl
+import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+import zipfile
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -51,3 +53,22 @@ def vllm_wheel() -> Path:
         if not wheels:
             raise RuntimeError(f"pip download left no vllm {VLLM_VERSION} wheel in {WHEEL_DIR}")
         return wheels[0]
+
+
+def extract_once(
+    wheel: Path, dest: Path, lock: str, wanted: Callable[[str], bool], recipe: str
+) -> Path:
+    """The wheel's members that `wanted` accepts, extracted into dest under `lock` and marked
+    complete at the end (with the wheel's name and `recipe`, which says what was selected), so
+    an interrupted or differently selected extraction is redone rather than trusted."""
+    done = dest / ".complete"
+    stamp = f"{wheel.name}\n{recipe}\n"
+    with locked(lock):
+        if not (done.is_file() and done.read_text() == stamp):
+            shutil.rmtree(dest, ignore_errors=True)
+            with zipfile.ZipFile(wheel) as archive:
+                for member in archive.namelist():
+                    if wanted(member):
+                        archive.extract(member, dest)
+            done.write_text(stamp)
+    return dest

@@ -22,7 +22,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from wheel_cache import CACHE, VLLM_VERSION, locked, pip, vllm_wheel
+from wheel_cache import CACHE, VLLM_VERSION, extract_once, locked, pip, vllm_wheel
 
 SOURCES_DIR = CACHE / f"vllm-{VLLM_VERSION}-sources"
 VENV_DIR = CACHE / "vllm-venv"
@@ -54,17 +54,11 @@ def wheel_pins(wheel: Path, names: tuple[str, ...] = PINNED) -> list[str]:
 @pytest.fixture(scope="session")
 def vllm_originals() -> Path:
     """The extracted `vllm` package directory (paths inside it as the profile names them)."""
-    wheel = vllm_wheel()
-    done = SOURCES_DIR / ".complete"
-    stamp = f"{wheel.name}\n{EXTRACT_PREFIXES}\n"
-    with locked("vllm-sources"):
-        if not (done.is_file() and done.read_text() == stamp):
-            shutil.rmtree(SOURCES_DIR, ignore_errors=True)
-            with zipfile.ZipFile(wheel) as archive:
-                for member in archive.namelist():
-                    if member.startswith(EXTRACT_PREFIXES) and member.endswith(".py"):
-                        archive.extract(member, SOURCES_DIR)
-            done.write_text(stamp)
+
+    def wanted(member: str) -> bool:
+        return member.startswith(EXTRACT_PREFIXES) and member.endswith(".py")
+
+    extract_once(vllm_wheel(), SOURCES_DIR, "vllm-sources", wanted, str(EXTRACT_PREFIXES))
     return SOURCES_DIR / "vllm"
 
 
