@@ -25,7 +25,7 @@ DOCS = REPO / "docs"
 DOC_REF = re.compile(r"(?<![\w./-])docs/([\w.-]+\.md)(?:#([\w-]+))?")
 MD_LINK = re.compile(r"\]\(([^)\s]+)\)")
 # The team notes that once lived beside the checkout (written so this file does not match).
-OUTSIDE_NOTES = re.compile(r"\b(?:FACTS|DESIGN|PERF|CI)[.]md\b|[.][.]/shared\b")
+OUTSIDE_NOTES = re.compile(r"\b(?:FACTS|DESIGN|PERF|CI)[.]md\b|[.][.][/]shared\b")
 CITATION = re.compile(r"`(vllm/[\w/.-]+\.py):(\d+)(?:-(\d+))?`")
 BACKTICKED = re.compile(r"`([^`]+)`")
 IDENTIFIER = re.compile(r"[A-Za-z_][\w.]*(?:\(\))?")
