@@ -3,7 +3,7 @@
 One place computes what `vllm_service` renders into its unit:
   - the snapshot's sizes, read from its safetensors headers (weight files, the PLE row shards,
     the MTP weights), following the HF cache's symlinks;
-  - the budget (FACTS.md, "The reference's serving recipe"):
+  - the budget (docs/reference-deployment.md#memory-budget):
         weights = snapshot - table (- MTP weights when MTP is off)
         fixed   = weights + overhead (+ MTP runtime when MTP is on)
         KV need = max_model_len x 29,482 B/token (BF16 KV; x 0.58 with fp8)
@@ -35,7 +35,7 @@ from .errors import EXIT_CHECK_FAILED, EXIT_OK, SparkpleError
 
 GIB = 1024**3
 MIB = 1024**2
-# KV cache bytes per token of context (BF16 KV), and the factor fp8 KV applies (FACTS.md).
+# BF16 KV bytes per context token and the fp8 factor (docs/reference-deployment.md#memory-budget).
 KV_BYTES_PER_TOKEN_BF16 = 29_482
 FP8_KV_FACTOR = 0.58
 # The model's native context and the longest YaRN context the recipe allows.
@@ -458,7 +458,7 @@ def kv_need_bytes(max_model_len: int, kv_cache_dtype: str) -> int:
 def compute_budget(
     sizes: SnapshotSizes, recipe: Recipe, mem_total_bytes: int, knobs: BudgetKnobs
 ) -> Budget:
-    """The budget of FACTS.md; ServingError with the numbers and the knob when it cannot work."""
+    """The budget (docs/reference-deployment.md#memory-budget); ServingError when it cannot work."""
     for name, value in asdict(knobs).items():
         if not isinstance(value, int | float) or value < 0 or math.isnan(value):
             raise ServingError(f"vllm_service_{name} is {value!r}: use a number >= 0")

@@ -1,4 +1,4 @@
-"""PLE geometry reproduces the real model's layout (FACTS.md) from its config keys."""
+"""PLE geometry reproduces the real model's layout (docs/model.md#geometry) from its config keys."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Row-id hash: bit-exact against a per-token pure-Python reference written from FACTS.md."""
+"""Row-id hash: bit-exact against a per-token pure-Python reference (docs/model.md#row-ids)."""
 
 import numpy as np
 import pytest

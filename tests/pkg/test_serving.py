@@ -1,6 +1,6 @@
-"""The serving plan (sparkple.serving): the budget formula with FACTS.md's figures, the refusals,
-the recipe's checks and argv, sizes read from a real synthetic snapshot in the HF cache layout,
-and the launch gate on meminfo files."""
+"""The serving plan (sparkple.serving): the budget formula with the figures of
+docs/reference-deployment.md#memory-budget, the refusals, the recipe's checks and argv, sizes
+read from a real synthetic snapshot in the HF cache layout, and the launch gate on meminfo files."""
 
 from __future__ import annotations
 
