@@ -10,6 +10,7 @@ Tokens past query_start_loc[-1] (padding) continue the last request, as in vLLM.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -70,38 +71,56 @@ def row_ids_at(flat: np.ndarray, positions: np.ndarray, geometry: PLEGeometry) -
     """Row ids of the tokens flat[positions], int64[T, num_heads], where each token has its
     request's ngram_size - 1 preceding tokens (its context) right before it in `flat`."""
     flat = np.asarray(flat, dtype=np.int64)
-    n = geometry.ngram_size
-    preds = _predecessors(flat, positions, n, geometry.eos_token_id)
-    return _mix(flat[positions], preds, geometry)
+    back = np.arange(geometry.ngram_size, dtype=np.int64)[:, None]
+    return window_row_ids(flat[np.asarray(positions)[None, :] - back], geometry)
 
 
-def _predecessors(flat: np.ndarray, tok_pos: np.ndarray, n: int, eos: int) -> list[np.ndarray]:
+def window_row_ids(windows: np.ndarray, geometry: PLEGeometry) -> np.ndarray:
+    """Row ids from each token's window: windows[k] holds the token k positions back of each
+    token (windows[0] the tokens themselves), int64[ngram_size, T], as the request stores them;
+    the EOS rule is applied here."""
+    preds = _predecessors(windows, geometry.eos_token_id)
+    return _mix(windows[0], preds, geometry)
+
+
+def _predecessors(windows: np.ndarray, eos: int) -> list[np.ndarray]:
     """t1..t(n-1) of each token, EOS past the first EOS met going back.
 
-    Every token has its request's n - 1 context tokens before it in `flat`, so going back
-    k <= n - 1 positions never leaves its request: predecessor k is EOS exactly when one of
-    t1..t(k-1) is an EOS (the n-gram never reaches back across one).
+    Going back k <= n - 1 positions never leaves the token's request (its context comes
+    first): predecessor k is EOS exactly when one of t1..t(k-1) is an EOS (the n-gram never
+    reaches back across one).
     """
-    preds = []
-    seen = np.zeros(tok_pos.shape[0], dtype=bool)
-    for k in range(1, n):
-        prev = flat[tok_pos - k]
-        preds.append(np.where(seen, eos, prev))
-        if k < n - 1:
-            seen |= prev == eos
+    preds = [windows[1]]
+    seen = windows[1] == eos
+    for k in range(2, windows.shape[0]):
+        preds.append(np.where(seen, eos, windows[k]))
+        if k < windows.shape[0] - 1:
+            seen |= windows[k] == eos
     return preds
 
 
-def _mix(t0: np.ndarray, preds: list[np.ndarray], g: PLEGeometry) -> np.ndarray:
-    m = np.asarray(g.multipliers, dtype=np.int64)
+@lru_cache(maxsize=16)
+def _mix_constants(g: PLEGeometry) -> tuple[np.ndarray, list[tuple[slice, np.ndarray, np.ndarray]]]:
+    """The hash's multipliers, and per order its heads' slice, sizes and offsets (made once
+    per geometry: a decode step hashes a few tokens, where building them would dominate)."""
     sizes = np.asarray(g.head_sizes, dtype=np.int64)
     offsets = np.asarray(g.head_offsets, dtype=np.int64)
+    orders = []
+    for order in range(2, g.ngram_size + 1):
+        heads = slice((order - 2) * g.heads_per_ngram, (order - 1) * g.heads_per_ngram)
+        orders.append((heads, sizes[heads], offsets[heads]))
+    return np.asarray(g.multipliers, dtype=np.int64), orders
+
+
+def _mix(t0: np.ndarray, preds: list[np.ndarray], g: PLEGeometry) -> np.ndarray:
+    m, orders = _mix_constants(g)
     out = np.empty((t0.shape[0], g.num_heads), dtype=np.int64)
     x = t0 * m[0]  # int64 arrays wrap on overflow, like torch.long
-    for order in range(2, g.ngram_size + 1):
-        x = x ^ (preds[order - 2] * m[order - 1])
-        heads = slice((order - 2) * g.heads_per_ngram, (order - 1) * g.heads_per_ngram)
-        out[:, heads] = np.mod(x[:, None], sizes[heads]) + offsets[heads]
+    for k, (heads, sizes, offsets) in enumerate(orders):
+        x = x ^ (preds[k] * m[k + 1])
+        target = out[:, heads]
+        np.mod(x[:, None], sizes, out=target)  # floor mod, as torch's remainder
+        target += offsets
     return out
 
 

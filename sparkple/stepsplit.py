@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .geometry import PLEGeometry
-from .ngram import row_ids, row_ids_at
+from .ngram import row_ids, window_row_ids
 
 
 @dataclass(frozen=True)
@@ -153,6 +153,86 @@ def host_pieces(split: StepSplit, geometry: PLEGeometry) -> list[tuple[int, np.n
     return _pieces(split.host_ids, split.host_qsl, split.host_ctx, split.host_starts, geometry)
 
 
+@dataclass(frozen=True)
+class DevicePlan:
+    """Where the n-gram window of each device token comes from, fixed before the sync.
+
+    Each device token's window (itself and the ngram_size - 1 tokens before it) is read from
+    one source, [ngram_context.ravel(), span, host_values]: the device's context rows and its
+    copy of the step's tokens, then the prompt tokens of this step that some window reaches
+    back into (known on the host). Which entry each window slot reads is known from the host's
+    layout, so after the sync the windows are one take and the hash one call.
+    """
+
+    windows_from: np.ndarray  # int64[ngram_size, T]: index into the source per window slot
+    host_values: np.ndarray  # int64: the prompt tokens windows read
+    runs: tuple[tuple[int, int], ...]  # (step offset, tokens): adjacent segments as one gather
+    span_start: int  # the step offset the device's copy of the tokens starts at
+
+
+def plan_device(split: StepSplit, geometry: PLEGeometry) -> DevicePlan | None:
+    """The windows of the step's device tokens (None when the step has none)."""
+    if not split.device_reqs.size:
+        return None
+    context = geometry.ngram_size - 1
+    span_start, span_end = split.device_span()
+    span_base = split.num_reqs * context  # the span follows the context rows in the source
+    host_base = span_base + span_end - span_start  # the host values follow the span
+    host_of = {int(r): j for j, r in enumerate(split.host_reqs.tolist())}
+    layout, host_values, runs = [], [], []  # layout: per request, its window then its tokens
+    positions, flat_len, host_len = [], 0, 0
+    for i, start, end in zip(
+        split.device_reqs.tolist(),
+        split.device_starts.tolist(),
+        split.device_ends.tolist(),
+        strict=True,
+    ):
+        # before the device tokens: the device's context of the request, extended by the
+        # request's prompt tokens of this step when it has some (they come first)
+        before = np.arange(i * context, (i + 1) * context, dtype=np.int64)
+        j = host_of.get(i)
+        if j is not None:
+            prompt_part = split.host_ids[split.host_qsl[j] : split.host_qsl[j + 1]][-context:]
+            host_index = host_base + host_len + np.arange(prompt_part.shape[0], dtype=np.int64)
+            host_values.append(prompt_part)
+            host_len += prompt_part.shape[0]
+            before = np.concatenate([before, host_index])[-context:]
+        count = end - start
+        layout += [before, span_base + start - span_start + np.arange(count, dtype=np.int64)]
+        positions.append(np.arange(flat_len + context, flat_len + context + count))
+        flat_len += context + count
+        if runs and runs[-1][0] + runs[-1][1] == start:  # adjacent to the previous segment
+            runs[-1][1] += count
+        else:
+            runs.append([start, count])
+    back = np.arange(geometry.ngram_size, dtype=np.int64)[:, None]
+    return DevicePlan(
+        windows_from=np.concatenate(layout)[np.concatenate(positions)[None, :] - back],
+        host_values=(
+            np.concatenate(host_values).astype(np.int64) if host_values else np.empty(0, np.int64)
+        ),
+        runs=tuple((int(a), int(b)) for a, b in runs),
+        span_start=span_start,
+    )
+
+
+def device_rows(
+    plan: DevicePlan, span: np.ndarray, ngram_context: np.ndarray, geometry: PLEGeometry
+) -> list[tuple[int, np.ndarray]]:
+    """Row-id pieces of the device tokens, from the device's copy of them.
+
+    span: the step's token ids from plan.span_start on, as copied from the device;
+    ngram_context: the device's per-request context [num_reqs, ngram_size - 1].
+    """
+    source = np.concatenate([ngram_context.reshape(-1), span, plan.host_values])
+    rows = window_row_ids(source.astype(np.int64, copy=False)[plan.windows_from], geometry)
+    out, taken = [], 0
+    for start, count in plan.runs:
+        out.append((start, rows[taken : taken + count]))
+        taken += count
+    return out
+
+
 def device_pieces(
     split: StepSplit,
     span: np.ndarray,
@@ -160,42 +240,20 @@ def device_pieces(
     ngram_context: np.ndarray,
     geometry: PLEGeometry,
 ) -> list[tuple[int, np.ndarray]]:
-    """Row ids of the tokens only the device had, from the copy of its tokens.
+    """Row ids of the tokens only the device had, from the copy of its tokens (the plan and
+    its fill in one call; the host step makes the plan before the sync).
 
     span: the step's token ids [span_start, span_start + len) as copied from the device;
     ngram_context: the device's per-request context [num_reqs, ngram_size - 1]. A request's
     device tokens follow its prompt tokens of this step (if any), which extend the context.
     Segments that are adjacent in the step come back as one piece (one gather).
     """
-    if not split.device_reqs.size:
+    plan = plan_device(split, geometry)
+    if plan is None:
         return []
-    context = geometry.ngram_size - 1
-    host_of = {int(r): j for j, r in enumerate(split.host_reqs.tolist())}
-    parts, positions, pieces = [], [], []
-    flat_len, run_start, run_tokens = 0, -1, 0
-    for i, start, end in zip(
-        split.device_reqs.tolist(),
-        split.device_starts.tolist(),
-        split.device_ends.tolist(),
-        strict=True,
-    ):
-        before = ngram_context[i]
-        j = host_of.get(i)
-        if j is not None:  # the request's prompt tokens of this step come first
-            prompt_part = split.host_ids[split.host_qsl[j] : split.host_qsl[j + 1]]
-            before = np.concatenate([before, prompt_part])[-context:]
-        parts += [before, span[start - span_start : end - span_start]]
-        positions.append(np.arange(flat_len + context, flat_len + context + end - start))
-        flat_len += context + end - start
-        if start != run_start + run_tokens:  # not adjacent to the previous segment
-            pieces.append([start, 0])
-            run_start, run_tokens = start, 0
-        run_tokens += end - start
-        pieces[-1][1] = run_tokens
-    flat = np.concatenate(parts).astype(np.int64, copy=False)
-    rows = row_ids_at(flat, np.concatenate(positions), geometry)
-    out, taken = [], 0
-    for start, count in pieces:
-        out.append((start, rows[taken : taken + count]))
-        taken += count
-    return out
+    if span_start != plan.span_start:
+        raise ValueError(
+            f"the device's copy starts at token {span_start}, the step's device tokens at "
+            f"{plan.span_start}"
+        )
+    return device_rows(plan, span, ngram_context, geometry)

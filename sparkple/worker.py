@@ -153,14 +153,6 @@ class GatherWorker:
         self._thread = threading.Thread(target=self._run, name="sparkple-gather", daemon=True)
         self._thread.start()
         self._ready.wait()
-        # WILLNEED for rows gathered inline, issued beside the gather instead of before it
-        self._advice: queue.SimpleQueue[np.ndarray | None] = queue.SimpleQueue()
-        self._adviser: threading.Thread | None = None
-        if self.prefetcher is not None:
-            self._adviser = threading.Thread(
-                target=self._advise, name="sparkple-advise", daemon=True
-            )
-            self._adviser.start()
 
     # ---------------------------------------------------------------- producer side
 
@@ -250,10 +242,10 @@ class GatherWorker:
 
     def gather_inline(self, seq: int, pieces: list[tuple[int, Any]]) -> None:
         """Gather rows now, on the calling thread (a decode step's few hundred rows gather in
-        less time than a hand-off to the thread takes). Their WILLNEED goes to a helper
-        thread and the gather starts at once: on a warm table it never waits for the advice;
-        on a cold one the gather waits for its first page while the advice puts the others'
-        reads in flight (numpy's take releases the GIL)."""
+        less time than a hand-off to the thread takes). Their pages are advised first, on this
+        thread too: on a warm table the advice is a check of recently advised pages; on a cold
+        one it puts every read in flight before the gather waits for the first. (Advice from a
+        helper thread was measured slower warm, as fast cold: it contends for the GIL.)"""
         with self._lock:
             step = self._step(seq)
         checked = [(int(start), self._checked_ids(ids)) for start, ids in pieces]
@@ -265,20 +257,9 @@ class GatherWorker:
             )
         if not checked:
             return
-        if self._adviser is not None and self._adviser.is_alive():
-            self._advice.put(np.concatenate([ids.reshape(-1) for _, ids in checked]))
-            self._gather(step.slot, checked, prefetch=False)
-        else:
-            self._gather(step.slot, checked)
+        self._gather(step.slot, checked)
         with self._lock:
             step.tokens = max(step.tokens, end)
-
-    def _advise(self) -> None:
-        while (ids := self._advice.get()) is not None:
-            try:
-                self._prefetch(ids)
-            except Exception:  # advice only: the gather faults the pages in itself
-                continue
 
     def _step(self, seq: int) -> _Step:
         step = self._held.get(seq)
@@ -428,9 +409,6 @@ class GatherWorker:
             self._lock.notify_all()
         self._jobs.put(None)
         self._thread.join()
-        if self._adviser is not None:
-            self._advice.put(None)
-            self._adviser.join()
         if self.prefetcher is not None and self._own_prefetcher:
             self.prefetcher.close()
         self._flag.close()
