@@ -5,6 +5,8 @@ The ranks' bytes are summed row by row, so two copies built from different check
 revisions would give garbled rows without any error. At load every rank describes its table
 (`describe`), the descriptions are exchanged over the group, and `check_ranks` refuses a group
 whose tables differ, naming both sides, or whose row ranges do not give each row one owner.
+A rank whose own checks failed says so in its description: its peers stop with it, at load,
+instead of waiting for it in their next collective.
 """
 
 from __future__ import annotations
@@ -17,8 +19,15 @@ from .rowshard import OwnedRows, check_tiling
 from .tablemeta import TableMeta
 
 
-def describe(rank: int, table_dir: object, meta: TableMeta, owned: OwnedRows) -> dict[str, Any]:
-    """One rank's side of the exchange (plain values: it is pickled over the group)."""
+def describe(
+    rank: int,
+    table_dir: object,
+    meta: TableMeta,
+    owned: OwnedRows,
+    problems: list[str] | tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """One rank's side of the exchange (plain values: it is pickled over the group);
+    problems: what this rank's own checks of its table against its checkpoint found."""
     return {
         "rank": rank,
         "host": socket.gethostname(),
@@ -28,6 +37,7 @@ def describe(rank: int, table_dir: object, meta: TableMeta, owned: OwnedRows) ->
         "fields": meta.fingerprinted(),
         "owned": (owned.start, owned.end),
         "total_rows": meta.total_rows,
+        "problems": list(problems),
     }
 
 
@@ -44,8 +54,15 @@ def _differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 
 def check_ranks(entries: list[dict[str, Any]]) -> None:
-    """Every rank's table must have rank 0's fingerprint, and their ranges must tile it."""
+    """No rank may have failed its own checks, every rank's table must have rank 0's
+    fingerprint, and their ranges must tile it."""
     entries = sorted(entries, key=lambda entry: entry["rank"])
+    for entry in entries:
+        if entry["problems"]:
+            raise TableError(
+                f"{_side(entry)} refused its PLE table: {'; '.join(entry['problems'])}. "
+                "A pair starts only when both ranks can serve their tables"
+            )
     first = entries[0]
     for other in entries[1:]:
         if other["fingerprint"] != first["fingerprint"]:

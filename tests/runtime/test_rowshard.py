@@ -152,6 +152,10 @@ def test_two_builds_of_one_checkpoint_share_a_fingerprint(built_table, tmp_path)
         assert "rank 0 on" in message and "rank 1 on" in message
         assert str(built_table.table_dir) in message and "/other/table" in message
         assert "differ in global_scale" in message
+        # a rank whose own checks failed: its peer stops with it, naming it
+        entries[1] = describe(1, "/other/table", second.meta, owned[1], ["global scale 2.0"])
+        with pytest.raises(TableError, match="rank 1 on .* refused its PLE table: global scale"):
+            check_ranks(entries)
     finally:
         first.close()
         second.close()

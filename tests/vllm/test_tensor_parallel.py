@@ -80,6 +80,7 @@ def tp_results(vllm_venv: Path, vllm_originals: Path, tmp_path_factory) -> dict:
         rank0.append(f"{quant}={snapshot}={tables[0]}")
         rank1.append(f"{quant}={snapshot}={tables[1]}")
     # a pair whose nodes hold different checkpoint revisions, each table true to its own
+    revisions = []
     for node, ranks in ((0, rank0), (1, rank1)):
         snapshot = synth_checkpoint(
             work / f"revision-{'ab'[node]}", quant="fp8", vocab_base=300, files=2, seed=20 + node
@@ -87,6 +88,11 @@ def tp_results(vllm_venv: Path, vllm_originals: Path, tmp_path_factory) -> dict:
         table = work / f"table-revision-{'ab'[node]}"
         build_table(snapshot, table, quiet=True)
         ranks.append(f"mismatch={snapshot}={table}")
+        revisions.append((snapshot, table))
+    # one node whose table is not its checkpoint's: it refuses, and its peer with it
+    (snapshot_a, table_a), (_, table_b) = revisions
+    rank0.append(f"one_side={snapshot_a}={table_a}")
+    rank1.append(f"one_side={snapshot_a}={table_b}")
     (reference,) = run_ranks(vllm_venv, rendered, work, [single])
     pair = run_ranks(vllm_venv, rendered, work, [rank0, rank1])
     yield {"single": reference, "ranks": pair}
@@ -172,3 +178,14 @@ def test_a_pair_with_different_tables_refuses_to_start(tp_results: dict) -> None
         assert "revision-a" in error and "revision-b" in error
         assert "table-revision-a" in error and "table-revision-b" in error
         assert "global_scale" in error and "source" in error, rank
+
+
+def test_a_rank_refusing_its_own_table_stops_its_peer_at_load(tp_results: dict) -> None:
+    """Rank 1's table was built from another checkpoint than the one it loads: rank 1 names
+    its own mismatch, and rank 0, whose table is fine, refuses with it instead of waiting for
+    it in the next collective."""
+    first, second = (result["one_side"]["load_error"] for result in tp_results["ranks"])
+    assert second.startswith("ValueError: the packed PLE table")
+    assert "does not match the checkpoint" in second and "global scale" in second
+    assert first.startswith("TableError: rank 1 on ")
+    assert "refused its PLE table: global scale" in first and "table-revision-b" in first
