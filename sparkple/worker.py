@@ -311,7 +311,8 @@ class GatherWorker:
         for start, ids in pieces:
             staged = self.staging[slot, start : start + ids.shape[0]]
             gather_rows(self.table.rows, ids, staged, self.owned)
-            self._count("rows_gathered", ids.size)
+            read = ids.size if self.owned is None else int(self.owned.mask(ids).sum())
+            self._count("rows_gathered", read)  # a rank counts the rows it read, not its zeros
         self._count("gather_calls")
         return advised
 

@@ -165,7 +165,16 @@ def test_dummy_runs_sum_zeros_without_reading_rows(tp_results: dict) -> None:
         for result in (r[quant] for r in tp_results["ranks"]):
             assert result["dummy_output_zero"]
             assert result["dummy_counters_unchanged"]
-            assert result["rows_gathered"] > 0
+
+
+def test_the_ranks_read_the_single_ranks_rows_between_them(tp_results: dict) -> None:
+    """The PLE counters: each rank counts the rows it read, and the two together read every
+    row one rank reads alone, each once."""
+    for quant in QUANTS:
+        alone = tp_results["single"][quant]["rows_gathered"]
+        first, second = (r[quant]["rows_gathered"] for r in tp_results["ranks"])
+        assert first + second == alone
+        assert 0.4 * alone < first < 0.6 * alone
 
 
 def test_a_pair_with_different_tables_refuses_to_start(tp_results: dict) -> None:
