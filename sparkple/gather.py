@@ -9,9 +9,14 @@ Here the buffer's shape is checked against the batch, the flat view is made with
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from .errors import TableError
+
+if TYPE_CHECKING:
+    from .rowshard import OwnedRows
 
 
 def _flat_view(out: np.ndarray, rows: int, width: int) -> np.ndarray:
@@ -55,11 +60,14 @@ def check_row_range(ids: np.ndarray, total_rows: int) -> None:
         )
 
 
-def gather_rows(rows: np.ndarray, row_ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+def gather_rows(
+    rows: np.ndarray, row_ids: np.ndarray, out: np.ndarray, owned: OwnedRows | None = None
+) -> np.ndarray:
     """Copy rows[row_ids] into out (uint8[T, H, row_width]) and return out.
 
     rows: the table's 2-D uint8 [total_rows, row_width] array (a read-only memmap).
     row_ids: integer [T, H]; duplicates are fine, every id must be inside the table.
+    owned: a tensor-parallel rank's rows; ids outside them get zeros and are never read.
     The result is `out` itself (the same memory, the caller's buffer), never a new array.
     """
     if rows.ndim != 2 or rows.dtype != np.uint8:
@@ -76,6 +84,9 @@ def gather_rows(rows: np.ndarray, row_ids: np.ndarray, out: np.ndarray) -> np.nd
         return out
     flat_ids = ids.reshape(-1)
     check_row_range(flat_ids, total_rows)
+    if owned is not None:
+        owned.gather(rows, flat_ids, _flat_view(out, tokens * heads, row_width))
+        return out
     # mode="clip" (ids are checked above): with the default mode="raise", numpy buffers `out`
     # and copies the rows twice.
     np.take(rows, flat_ids, axis=0, out=_flat_view(out, tokens * heads, row_width), mode="clip")

@@ -32,6 +32,7 @@ import numpy as np
 from .errors import TableError
 from .gather import check_row_range
 from .pagecache import PAGE_SIZE, underlying_mmap
+from .rowshard import OwnedRows
 
 MECHANISMS = ("process_madvise", "fadvise", "madvise")
 _IOV_MAX = 1024  # UIO_MAXIOV: the most ranges one process_madvise call accepts
@@ -165,6 +166,8 @@ class Prefetcher:
     min_rows: batches smaller than this are not prefetched (0: prefetch every batch; the
       benchmark shows even one decode token's 16 rows gain from overlapping their faults).
     recent_s: skip pages advised within the last `recent_s` to `2 * recent_s` seconds (0: never).
+    owned: a tensor-parallel rank's rows: ids outside them are not advised (the rank never
+      reads them).
     """
 
     def __init__(
@@ -175,6 +178,7 @@ class Prefetcher:
         threads: int = 2,
         min_rows: int = 0,
         recent_s: float = 10.0,
+        owned: OwnedRows | None = None,
     ) -> None:
         if mechanism != "auto" and mechanism not in MECHANISMS:
             raise ValueError(f"mechanism must be 'auto' or one of {MECHANISMS}, got {mechanism!r}")
@@ -185,6 +189,7 @@ class Prefetcher:
         self._mmap = underlying_mmap(self.rows)
         self.min_rows = min_rows
         self.recent_s = recent_s
+        self.owned = owned
         self.threads = max(1, threads)
         self._pool: ThreadPoolExecutor | None = None
         npages = -(-(self.total_rows * self.row_width) // PAGE_SIZE)
@@ -244,6 +249,8 @@ class Prefetcher:
     def prefetch(self, row_ids: np.ndarray) -> PrefetchStats:
         t0 = time.perf_counter()
         ids = _check_ids(row_ids, self.total_rows)
+        if self.owned is not None:
+            ids = self.owned.select(ids)
         if ids.size < self.min_rows or ids.size == 0:
             return PrefetchStats(ids.size, 0, 0, 0, time.perf_counter() - t0, "skipped")
         if self.recent_s > 0 and ids.size <= _FAST_CHECK_ROWS:
@@ -307,7 +314,12 @@ POLICIES = ("always", "prefill", "never")
 
 
 def prefetcher_for(
-    table: MappedTable, policy: str, *, prefill_min_tokens: int, rows_per_token: int
+    table: MappedTable,
+    policy: str,
+    *,
+    prefill_min_tokens: int,
+    rows_per_token: int,
+    owned: OwnedRows | None = None,
 ) -> Prefetcher | None:
     """The prefetcher a prefetch policy asks for (the vLLM patch's `prefetch_policy`).
 
@@ -319,8 +331,8 @@ def prefetcher_for(
     if policy == "never":
         return None
     if policy == "prefill":
-        return Prefetcher(table, min_rows=prefill_min_tokens * rows_per_token)
-    return Prefetcher(table)
+        return Prefetcher(table, min_rows=prefill_min_tokens * rows_per_token, owned=owned)
+    return Prefetcher(table, owned=owned)
 
 
 # --- lookahead: a prompt's later chunks advised while earlier ones run ---------------------
@@ -350,6 +362,7 @@ class Lookahead:
 
     Counted (in the PLE stats): pages advised, pages used (their granule was reached by a
     step's gather) and pages wasted (advised for a request removed before reaching them).
+    owned: a tensor-parallel rank's rows: only their pages are advised and counted.
     """
 
     def __init__(
@@ -360,6 +373,7 @@ class Lookahead:
         granule_tokens: int = 64,
         stats: PLEStatsLike | None = None,
         mechanism: str = "auto",
+        owned: OwnedRows | None = None,
     ) -> None:
         if window_bytes < 0 or granule_tokens < 1:
             raise ValueError(
@@ -371,7 +385,8 @@ class Lookahead:
         self.stats = stats
         # recent_s=0: every page of a granule is advised and counted (the window accounts
         # for it), whatever another prefetcher advised before
-        self._prefetcher = Prefetcher(table, mechanism=mechanism, recent_s=0)
+        self._prefetcher = Prefetcher(table, mechanism=mechanism, recent_s=0, owned=owned)
+        self._owned = owned
         self._requests: dict[str, _Planned] = {}  # insertion order = advice order
         self._outstanding = 0
         self.peak_outstanding_pages = 0
@@ -470,7 +485,8 @@ class Lookahead:
                     req.ids, req.plan = ids, None
                 continue
             ids = req.ids[first : first + self.granule]
-            pages = plan_page_numbers(ids, self._prefetcher.row_width).size
+            mine = ids if self._owned is None else self._owned.select(ids)
+            pages = plan_page_numbers(mine, self._prefetcher.row_width).size
             with self._lock:
                 if self._requests.get(key) is not req or first < req.consumed_to:
                     continue  # removed, or gathered meanwhile

@@ -170,6 +170,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
         f"source      snapshot {src['snapshot_id']}, {len(src['files'])} files, "
         f"index sha256 {src['index_sha256'][:16]}",
         f"built       {info['built_at']} by {info['builder_version']}",
+        f"fingerprint {info['fingerprint']}",
         "health      ok (published, data file size matches)",
     ]
     print("\n".join(lines))

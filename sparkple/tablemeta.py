@@ -8,6 +8,7 @@ file whose size equals data_bytes.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields
@@ -21,6 +22,9 @@ META_NAME = "table.json"
 FORMAT_VERSION = 1
 DATA_PREFIX = "rows-"
 DATA_SUFFIX = ".bin"
+# What a fingerprint leaves out: the names and times of one build (each node builds its own
+# copy, with its own build id) and the builder's version (the format version fixes the bytes).
+NOT_FINGERPRINTED = ("data_file", "built_at", "builder_version", "extra")
 
 
 # The metadata fields that record the PLE geometry (tuples in PLEGeometry, lists in JSON).
@@ -98,6 +102,18 @@ class TableMeta:
         values = {name: getattr(self, name) for name in GEOMETRY_FIELDS}
         values = {name: tuple(v) if isinstance(v, list) else v for name, v in values.items()}
         return PLEGeometry(**values)
+
+    def fingerprinted(self) -> dict[str, Any]:
+        """The metadata that fixes the table's bytes: format, geometry, row format, global
+        scale and the checkpoint files it was built from."""
+        values = asdict(self)
+        return {k: v for k, v in sorted(values.items()) if k not in NOT_FINGERPRINTED}
+
+    def fingerprint(self) -> str:
+        """sha256 of `fingerprinted()`: equal for two tables built from the same checkpoint
+        revision by the same format, wherever and whenever each was built."""
+        text = json.dumps(self.fingerprinted(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"

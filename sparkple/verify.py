@@ -119,6 +119,8 @@ def inspect_table(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
         data_path=str(meta.data_path(out)),
         meta_path=str(out / META_NAME),
         table_gib=round(meta.data_bytes / 2**30, 3),
+        # what the ranks of a pair compare: equal for two builds of one checkpoint revision
+        fingerprint=meta.fingerprint(),
         healthy=True,
     )
     return info

@@ -43,6 +43,7 @@ from .tablemeta import geometry_fields
 if TYPE_CHECKING:
     import torch
 
+    from .rowshard import OwnedRows
     from .stats import PLEStats
     from .table import PackedTable
 
@@ -100,6 +101,7 @@ class GatherWorker:
       device context the caller constructs the worker in.
     stats: counters and the handshake-wait histogram to record into (sparkple.stats), which
       the metrics exporter reads.
+    owned: a tensor-parallel rank's rows: the others are staged as zeros, never read.
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class GatherWorker:
         pin_memory: bool = False,
         spin_s: float | None = None,
         stats: PLEStats | None = None,
+        owned: OwnedRows | None = None,
     ) -> None:
         if max_tokens < 1 or slots < 1:
             raise ValueError(f"max_tokens ({max_tokens}) and slots ({slots}) must be >= 1")
@@ -122,6 +125,7 @@ class GatherWorker:
         self.max_tokens = max_tokens
         self.slots = slots
         self.stats = stats
+        self.owned = owned
         shape = (slots, max_tokens, geometry.num_heads, table.row_width)
         self._pinned: torch.Tensor | None = None
         if pin_memory:
@@ -133,7 +137,7 @@ class GatherWorker:
         if isinstance(prefetch, Prefetcher):
             self.prefetcher: Prefetcher | None = prefetch
         else:
-            self.prefetcher = Prefetcher(table) if prefetch else None
+            self.prefetcher = Prefetcher(table, owned=owned) if prefetch else None
         self._flag = SeqFlag.create()
         self._flag.unlink()  # used in this process only: nothing is left behind if it dies
         self._waiter = Waiter(self._flag, spin_s=spin_s)
@@ -286,8 +290,10 @@ class GatherWorker:
         if prefetch:
             advised = self._prefetch(np.concatenate([ids.reshape(-1) for _, ids in pieces]))
         for start, ids in pieces:
-            gather_rows(self.table.rows, ids, self.staging[slot, start : start + ids.shape[0]])
-            self._count("rows_gathered", ids.size)
+            staged = self.staging[slot, start : start + ids.shape[0]]
+            gather_rows(self.table.rows, ids, staged, self.owned)
+            read = ids.size if self.owned is None else int(self.owned.mask(ids).sum())
+            self._count("rows_gathered", read)  # a rank counts the rows it read, not its zeros
         self._count("gather_calls")
         return advised
 

@@ -151,6 +151,12 @@ def test_inspect_and_verify_cli(snapshots, tmp_path):
     assert info["total_rows"] * info["row_width"] == Path(info["data_path"]).stat().st_size
     text = cli("inspect-table", out)
     assert text.returncode == 0 and "nvfp4" in text.stdout
+    assert f"fingerprint {info['fingerprint']}" in text.stdout
+    # another build of the same snapshot (another node's copy): one fingerprint
+    assert cli("build-table", snap, tmp_path / "t2").returncode == 0
+    again = json.loads(cli("inspect-table", tmp_path / "t2", "--json").stdout)
+    assert again["data_file"] != info["data_file"]
+    assert again["fingerprint"] == info["fingerprint"] and len(info["fingerprint"]) == 64
     assert cli("verify-table", snap, out, "--full").returncode == 0
     assert cli("verify-table", snap, out, "--sample", "50").returncode == 0
     # flip one byte in the middle of the data file: a full verify finds it

@@ -36,6 +36,7 @@ PLE_DECODER_LAYER = 1  # ple_layer_ids [2] is one-based
 DEVICE = torch.device(sys.argv[1])
 NGRAM_MODULE = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
 STATE_MODULE = "vllm.models.qwen4_exp.nvidia.model_state"
+COMMON_MODULE = "vllm.models.qwen4_exp.common.ngram_embedding"
 LOADER_FILTER = "vllm.model_executor.model_loader.ep_weight_filter"
 MAX_REQS = 8
 MAX_MODEL_LEN = 1024
@@ -47,12 +48,18 @@ def vllm_context(
     max_tokens: int = MAX_TOKENS,
     max_model_len: int = MAX_MODEL_LEN,
     cpu_offload: bool | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    init_file: Path | None = None,
 ) -> Iterator[None]:
-    """The least of vLLM's setup these modules need: a config and world-size-1 groups (gloo)."""
+    """The least of vLLM's setup these modules need: a config and its groups (gloo). With
+    tp_size > 1 every rank's process calls this with its own tp_rank and the same init_file:
+    vLLM's own set-up makes the TP group (and the PLE's embedding group, the same group)."""
     from vllm.config import (
         DeviceConfig,
         EngramConfig,
         LoadConfig,
+        ParallelConfig,
         SchedulerConfig,
         VllmConfig,
         set_current_vllm_config,
@@ -61,6 +68,7 @@ def vllm_context(
 
     config = VllmConfig(
         device_config=DeviceConfig(device=DEVICE.type),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
         # the serving recipe's loader: the only one that skips the row shards before reading
         load_config=LoadConfig(load_format="safetensors", safetensors_load_strategy="lazy"),
         scheduler_config=SchedulerConfig(
@@ -74,13 +82,13 @@ def vllm_context(
     )
     with set_current_vllm_config(config):
         init_distributed_environment(
-            world_size=1,
-            rank=0,
-            local_rank=0,
-            distributed_init_method=f"file://{workdir / 'dist-init'}",
+            world_size=tp_size,
+            rank=tp_rank,
+            local_rank=tp_rank,
+            distributed_init_method=f"file://{init_file or workdir / 'dist-init'}",
             backend="gloo",
         )
-        initialize_model_parallel(1, 1)
+        initialize_model_parallel(tp_size, 1)
         yield
 
 
@@ -462,12 +470,13 @@ def seed_loader_filter(rendered: Path) -> None:
 
 
 def patched_modules(rendered: Path):
-    """The patched n-gram and model-state modules, laid over the package as the mounts do."""
+    """The patched n-gram and model-state modules, laid over the package as the mounts do
+    (the patched common module too: its quant methods run the table's check at load)."""
     for package in ("vllm.models.qwen4_exp.nvidia", "vllm.models.qwen4_exp.common"):
         sub = package.split(".", 1)[1].replace(".", "/")
         importlib.import_module(package).__path__.insert(0, str(rendered / sub))
-    sys.modules.pop(NGRAM_MODULE)
-    sys.modules.pop(STATE_MODULE, None)
+    for name in (NGRAM_MODULE, STATE_MODULE, COMMON_MODULE):
+        sys.modules.pop(name, None)
     return importlib.import_module(NGRAM_MODULE), importlib.import_module(STATE_MODULE)
 
 
@@ -754,18 +763,26 @@ def refusals(patched, snapshot: Path, table_dir: Path) -> dict:
     parallel = current.parallel_config
 
     @contextmanager
-    def setting(field: str, value):
-        saved = getattr(parallel, field)
-        object.__setattr__(parallel, field, value)
+    def setting(owner=parallel, **values):
+        saved = {field: getattr(owner, field) for field in values}
+        for field, value in values.items():
+            object.__setattr__(owner, field, value)
         try:
             yield
         finally:
-            object.__setattr__(parallel, field, saved)
+            for field, value in saved.items():
+                object.__setattr__(owner, field, value)
 
+    from vllm.config import EngramConfig
+
+    across_dp = EngramConfig(cpu_offload=False, embedding_across_dp=True)
     cases = {
-        "pipeline": setting("pipeline_parallel_size", 2),
-        "prefill_context_parallel": setting("prefill_context_parallel_size", 2),
+        "pipeline": setting(pipeline_parallel_size=2),
+        "prefill_context_parallel": setting(prefill_context_parallel_size=2),
         "v1_runner": mock.patch.dict(os.environ, {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
+        "tensor_parallel_4": setting(tensor_parallel_size=4),
+        "sequence_parallel": setting(tensor_parallel_size=2, enable_hc_sp=True),
+        "embedding_across_dp": setting(current, engram_config=across_dp),
     }
     messages = {}
     os.environ["SPARKPLE_PLE_TABLE_DIR"] = str(table_dir)

@@ -231,6 +231,11 @@ def test_unservable_settings_are_refused_by_name(results: dict) -> None:
     assert "--pipeline-parallel-size 2" in refusals["pipeline"]
     assert "--prefill-context-parallel-size 2" in refusals["prefill_context_parallel"]
     assert "VLLM_USE_V2_MODEL_RUNNER=0" in refusals["v1_runner"]
+    # tensor parallelism: a pair is served, larger groups and other PLE splits are not
+    assert "--tensor-parallel-size 4" in refusals["tensor_parallel_4"]
+    assert "--enable-hc-sp" in refusals["sequence_parallel"]
+    assert "--tensor-parallel-size" not in refusals["sequence_parallel"]  # 2 itself is served
+    assert "embedding_across_dp=true" in refusals["embedding_across_dp"]
     for message in refusals.values():
         assert "unset SPARKPLE_PLE_TABLE_DIR" in message
 
