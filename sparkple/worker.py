@@ -280,15 +280,11 @@ class GatherWorker:
         self._count("pages_prefetched", stats.issued_pages)
         return stats
 
-    def _gather(
-        self, slot: int, pieces: list[tuple[int, np.ndarray]], *, prefetch: bool = True
-    ) -> PrefetchStats | None:
+    def _gather(self, slot: int, pieces: list[tuple[int, np.ndarray]]) -> PrefetchStats | None:
         pieces = [(start, ids) for start, ids in pieces if ids.shape[0]]
         if not pieces:
             return None
-        advised = None
-        if prefetch:
-            advised = self._prefetch(np.concatenate([ids.reshape(-1) for _, ids in pieces]))
+        advised = self._prefetch(np.concatenate([ids.reshape(-1) for _, ids in pieces]))
         for start, ids in pieces:
             staged = self.staging[slot, start : start + ids.shape[0]]
             gather_rows(self.table.rows, ids, staged, self.owned)
