@@ -1,8 +1,10 @@
 """The `## Variables` table of every role's README, generated from its defaults/main.yml.
 
 Each default is documented by the comment lines right above it; the table shows the name, the
-default as written and that comment. `python3 .ci/role_docs.py` rewrites the tables;
-`--check` only reports the READMEs whose table differs (exit 1), so docs and defaults cannot drift.
+default as written and that comment (a `# --- title` line heads a section of the defaults file,
+documents no variable and stays out of the table). `python3 .ci/role_docs.py` rewrites the
+tables; `--check` only reports the READMEs whose table differs (exit 1), so docs and defaults
+cannot drift.
 Both also require that the defaults and the argument specs (meta/argument_specs.yml) name the
 same variables: every default is an option of some entry point, every option of `main` a default.
 """
@@ -17,6 +19,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 TOP_LEVEL = re.compile(r"^([a-z][a-z0-9_]*):(.*)$")
+SECTION_COMMENT = re.compile(r"^#\s*---")
 SECTION = re.compile(r"^## Variables\n.*?(?=^## |\Z)", re.M | re.S)
 
 
@@ -32,6 +35,9 @@ def documented_defaults(defaults: Path) -> list[tuple[str, str, str]]:
             current = [match.group(1), match.group(2).strip()]
             pending.append((match.group(1), current, " ".join(comment)))
             comment = []
+        elif SECTION_COMMENT.match(line):
+            comment = []
+            current = None
         elif line.startswith("#"):
             comment.append(line.lstrip("#").strip())
             current = None

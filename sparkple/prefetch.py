@@ -310,31 +310,6 @@ class Prefetcher:
             self._pm.close()
 
 
-POLICIES = ("always", "prefill", "never")
-
-
-def prefetcher_for(
-    table: MappedTable,
-    policy: str,
-    *,
-    prefill_min_tokens: int,
-    rows_per_token: int,
-    owned: OwnedRows | None = None,
-) -> Prefetcher | None:
-    """The prefetcher a prefetch policy asks for (the vLLM patch's `prefetch_policy`).
-
-    always: every gather (decode steps gain too); prefill: only steps of at least
-    `prefill_min_tokens` tokens; never: none (plain page faults).
-    """
-    if policy not in POLICIES:
-        raise ValueError(f"prefetch policy must be one of {POLICIES}, got {policy!r}")
-    if policy == "never":
-        return None
-    if policy == "prefill":
-        return Prefetcher(table, min_rows=prefill_min_tokens * rows_per_token, owned=owned)
-    return Prefetcher(table, owned=owned)
-
-
 # --- lookahead: a prompt's later chunks advised while earlier ones run ---------------------
 
 

@@ -60,7 +60,7 @@ PLE_SHARD_MARK = ".ple.ple_embedding.ngram_embedding.shard_"
 # silently). Each maps to the variable that owns it.
 OWNED_FLAGS: dict[str, str] = {
     "--model": "the model path (model_checkpoint)",
-    "--served-model-name": "vllm_service_served_model_name",
+    "--served-model-name": "sparkple_served_model_name",
     "--host": "sparkple_api_host",
     "--port": "sparkple_api_port",
     "--max-model-len": "vllm_service_max_model_len",

@@ -271,20 +271,22 @@ def test_readme_worked_example() -> None:
 
 
 def test_role_defaults_are_the_packages_recipe_and_budget() -> None:
-    """vllm_service's defaults and sparkple.serving's cannot drift apart."""
+    """vllm_service's defaults (and sparkple_common's served name) and sparkple.serving's cannot
+    drift apart."""
     import yaml
 
     defaults = yaml.safe_load((ROOT / "roles/vllm_service/defaults/main.yml").read_text())
+    shared = yaml.safe_load((ROOT / "roles/sparkple_common/defaults/main.yml").read_text())
     r = recipe()
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype",
                  "mamba_ssm_cache_dtype", "mtp_depth", "reasoning_parser", "tool_call_parser",
-                 "cudagraph_mode", "safetensors_load_strategy", "chunked_prefill",
-                 "served_model_name"):  # fmt: skip
+                 "cudagraph_mode", "safetensors_load_strategy", "chunked_prefill"):  # fmt: skip
         assert defaults[f"vllm_service_{name}"] == getattr(r, name), name
+    assert shared["sparkple_served_model_name"] == r.served_model_name
     k = BudgetKnobs()
     knob_vars = {"reserve_gib": "memtotal_reserve_gib", "slack_gib": "memory_slack_gib"}
     for name in BudgetKnobs.__dataclass_fields__:
         assert defaults[f"vllm_service_{knob_vars.get(name, name)}"] == getattr(k, name), name
-    assert defaults["vllm_service_health_timeout_s"] == 1800
+    assert shared["sparkple_health_gate_timeout_s"] == 1800
     checkpoint = yaml.safe_load((ROOT / "roles/model_checkpoint/defaults/main.yml").read_text())
     assert checkpoint["model_checkpoint_repo"] == "Mia-AiLab/Qwen3.8-Flash-Next-NVFP4"

@@ -2,8 +2,7 @@
 
 Every role depends on sparkple_common; no other role or playbook restates the data volume's
 path, the service's name or the state directory, no file falls back on a literal for a shared
-name, no retired name is read, and only sparkple_package (which ships the checkout) reaches
-outside its role's directory.
+name, and only sparkple_package (which ships the checkout) reaches outside its role's directory.
 """
 
 from __future__ import annotations
@@ -76,26 +75,9 @@ def test_only_sparkple_package_reaches_outside_its_role() -> None:
     ]
 
 
-RENAMED = yaml.safe_load((COMMON / "vars" / "main.yml").read_text())["sparkple_common_renamed"]
-
-
-def test_no_file_reads_a_retired_name() -> None:
-    offenders = matches(r"\b(?:" + "|".join(map(re.escape, RENAMED)) + r")\b")
-    assert not offenders, "retired names are still read:\n" + "\n".join(offenders)
-
-
 def run_common(tmp_path: Path, variables: dict[str, object]) -> subprocess.CompletedProcess[str]:
     play = "- hosts: localhost\n  gather_facts: false\n  roles: [sparkple_common]\n"
     return run_playbook(tmp_path, play, variables, timeout=120)
-
-
-def test_a_retired_name_in_the_inventory_is_refused_with_its_replacement(tmp_path: Path) -> None:
-    proc = run_common(tmp_path, {"vllm_service_host": "0.0.0.0", "ple_table_dir": "/data/t"})
-    assert proc.returncode != 0, proc.stdout
-    assert "ple_table_dir, vllm_service_host no longer have any effect" in proc.stdout
-    assert "ple_table_dir -> sparkple_table_dir, vllm_service_host -> sparkple_api_host" in (
-        " ".join(proc.stdout.split())
-    )
 
 
 def test_the_shared_names_alone_pass(tmp_path: Path) -> None:

@@ -18,7 +18,6 @@ from sparkple.prefetch import (
     coalesce_pages,
     plan_page_numbers,
     plan_pages,
-    prefetcher_for,
 )
 
 P = mmap.PAGESIZE
@@ -157,18 +156,3 @@ def test_evict_drops_mapped_pages(cold_table):
     assert resident_fraction(table.rows) > 0
     evict(table.rows, table.fd)
     assert resident_fraction(table.rows) == 0.0
-
-
-def test_prefetch_policies_map_onto_prefetchers(cold_table):
-    table, _ = cold_table
-    assert prefetcher_for(table, "never", prefill_min_tokens=64, rows_per_token=16) is None
-    always = prefetcher_for(table, "always", prefill_min_tokens=64, rows_per_token=16)
-    prefill = prefetcher_for(table, "prefill", prefill_min_tokens=64, rows_per_token=16)
-    try:
-        assert always.min_rows == 0
-        assert prefill.min_rows == 64 * 16
-    finally:
-        always.close()
-        prefill.close()
-    with pytest.raises(ValueError, match="sometimes"):
-        prefetcher_for(table, "sometimes", prefill_min_tokens=64, rows_per_token=16)

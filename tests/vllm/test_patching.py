@@ -85,7 +85,7 @@ def test_render_applies_every_edit_and_check_passes(originals: Path, tmp_path: P
         assert entry["patched_sha256"] == patch.sha256_file(out / rel)
         assert len(entry["template_sha256"]) == 64
     assert on_disk["profile"] == PROFILE and on_disk["vllm_version"] == "0.33.0"
-    assert on_disk["variables"]["step_timeout_s"] == 300.0
+    assert on_disk["variables"] == {"lookahead_mib": 256, "staging_slots": 3}
     assert set(on_disk["env"]) == {"SPARKPLE_PLE_TABLE_DIR", "SPARKPLE_PLE_STEP_TIMEOUT"}
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "model_executor", "models"]
     assert patch.check(out) == []
@@ -99,17 +99,19 @@ def test_variables_are_rendered_and_validated(originals: Path, tmp_path: Path) -
         PROFILE,
         originals,
         out,
-        {"lookahead_mib": "64", "prefetch_policy": "never", "step_timeout_s": "42.5"},
+        {"lookahead_mib": "64", "staging_slots": "2"},
     )
     added = (out / ADDED).read_text()
     assert "LOOKAHEAD_BYTES = 64 * 2**20\n" in added
-    assert 'PREFETCH_POLICY = "never"\n' in added
-    assert "DEFAULT_STEP_TIMEOUT_S = 42.5\n" in added
+    assert "STAGING_SLOTS = 2\n" in added
+    # the step timeout is the serving unit's SPARKPLE_PLE_STEP_TIMEOUT alone, and the prefetch
+    # runs before every gather: no render knob for either
     bad = {
         "lookahead_mib": "lots",
         "staging_slots": "0",
-        "prefetch_policy": "sometimes",
-        "step_timeout_s": "-1",
+        "step_timeout_s": "42.5",
+        "prefetch_policy": "never",
+        "prefill_min_tokens": "64",
         "no_such_variable": "1",
     }
     for name, value in bad.items():
@@ -268,11 +270,3 @@ def test_check_compile_compiles_every_file(
     assert main(["patch", "check", str(out)]) == 0
     assert main(["patch", "check", "--compile", str(out)]) == 1
     assert f"{ADDED}: does not compile with Python" in capsys.readouterr().out
-
-
-def test_the_profiles_prefetch_policies_are_the_packages() -> None:
-    """The profile validates `prefetch_policy` against its own choices; the package runs them."""
-    from sparkple.prefetch import POLICIES
-
-    profile = yaml.safe_load((PROFILE_DIR / "profile.yml").read_text())
-    assert profile["variables"]["prefetch_policy"]["choices"] == list(POLICIES)
