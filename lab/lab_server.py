@@ -6,12 +6,12 @@ the operations units are exercised for real. Like vLLM's OpenAI server it is two
 
 - the engine (a child process) checks the patched vLLM files mounted over the image's own
   against their manifest, opens the packed PLE table named by SPARKPLE_PLE_TABLE_DIR
-  through `sparkple.table` (the package bind-mounted read-only, as for vLLM) with the geometry
-  of the mounted model's config.json, then serves completions on a unix socket: the prompt's
-  UTF-8 bytes become token ids, their PLE rows are looked up in the table (row ids from
-  `sparkple.ngram`, the gather from `sparkple.gather`, the NVFP4 decode from `sparkple.nvfp4`)
-  and each next "token" is derived from the decoded rows. The text means nothing; the
-  lookups are real.
+  through `sparkple.runtime.table` (the package bind-mounted read-only, as for vLLM) with the
+  geometry of the mounted model's config.json, then serves completions on a unix socket: the
+  prompt's UTF-8 bytes become token ids, their PLE rows are looked up in the table (row ids
+  from `sparkple.runtime.ngram`, the gather from `sparkple.runtime.gather`, the NVFP4 decode
+  from `sparkple.runtime.nvfp4`) and each next "token" is derived from the decoded rows. The
+  text means nothing; the lookups are real.
 - the API front answers `GET /health` itself: 200 once the engine reported both checks good,
   503 with the reason otherwise. It hands each `POST /v1/completions` to the engine, which
   sends the tokens back one at a time, and answers 504 when the engine does not send the next
@@ -68,13 +68,13 @@ import numpy as np
 from lab_metrics import ServingMetrics  # beside this file, as in the lab images
 
 from sparkple.errors import SparkpleError
-from sparkple.gather import gather_rows
 from sparkple.geometry import PLEGeometry
-from sparkple.ngram import row_ids
-from sparkple.nvfp4 import dequantize_rows
-from sparkple.stats import PLEStats, StatsFile
-from sparkple.table import PackedTable, open_table
-from sparkple.tablemeta import read_meta
+from sparkple.runtime.gather import gather_rows
+from sparkple.runtime.ngram import row_ids
+from sparkple.runtime.nvfp4 import dequantize_rows
+from sparkple.runtime.stats import PLEStats, StatsFile
+from sparkple.runtime.table import PackedTable, open_table
+from sparkple.runtime.tablemeta import read_meta
 
 # The patch output directory the service mounts read-only next to the patched files.
 PATCH_DIR = Path(os.environ.get("SPARKPLE_PATCH_DIR", "/opt/sparkple/patches"))

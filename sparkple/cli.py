@@ -18,10 +18,10 @@ COMMANDS: dict[str, str] = {
     "serving-plan": "sparkple.serving",
     "launch-gate": "sparkple.serving",
     "snapshot-manifest": "sparkple.manifest",
-    "synth-checkpoint": "sparkple.synth",
-    "build-table": "sparkple.tablecli",
-    "verify-table": "sparkple.tablecli",
-    "inspect-table": "sparkple.tablecli",
+    "synth-checkpoint": "sparkple.builder.synth",
+    "build-table": "sparkple.builder.tablecli",
+    "verify-table": "sparkple.builder.tablecli",
+    "inspect-table": "sparkple.builder.tablecli",
     "patch": "sparkple.patch.cli",
 }
 

@@ -20,9 +20,9 @@ import pytest
 from ops_helpers import LAB, ROOT, wait_for
 from standin import alive, free_port
 
-from sparkple.build import build_table
-from sparkple.plan import plan_build
-from sparkple.synth import synth_checkpoint
+from sparkple.builder.build import build_table
+from sparkple.builder.plan import plan_build
+from sparkple.builder.synth import synth_checkpoint
 
 ENGINE_TIMEOUT_S = 0.5
 

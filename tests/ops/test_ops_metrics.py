@@ -18,9 +18,9 @@ from ops_helpers import ROOT, program
 
 from sparkple.ops.host import block_device, device_names
 from sparkple.ops.state import SUPERVISOR_STATES
-from sparkple.pagecache import file_resident_pages
-from sparkple.stats import PLEStats, StatsFile
-from sparkple.tablemeta import FORMAT_VERSION, SourceFingerprint, TableMeta
+from sparkple.runtime.pagecache import file_resident_pages
+from sparkple.runtime.stats import PLEStats, StatsFile
+from sparkple.runtime.tablemeta import FORMAT_VERSION, SourceFingerprint, TableMeta
 
 ROW = 90
 TABLE_BYTES = 16 * 1024 * 1024 - (16 * 1024 * 1024) % ROW  # whole rows, about 16 MiB

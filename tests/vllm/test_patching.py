@@ -272,7 +272,7 @@ def test_check_compile_compiles_every_file(
 
 def test_the_profiles_prefetch_policies_are_the_packages() -> None:
     """The profile validates `prefetch_policy` against its own choices; the package runs them."""
-    from sparkple.prefetch import POLICIES
+    from sparkple.runtime.prefetch import POLICIES
 
     profile = yaml.safe_load((PROFILE_DIR / "profile.yml").read_text())
     assert profile["variables"]["prefetch_policy"]["choices"] == list(POLICIES)

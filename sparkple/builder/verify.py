@@ -12,13 +12,13 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from .plan import Plan, plan_build
-from .progress import Progress
-from .stream import DEFAULT_CHUNK_MIB, ShardFiles, stream_rows
-from .tablemeta import (
+from ..runtime.tablemeta import (
     META_NAME,
     read_meta,
 )
+from .plan import Plan, plan_build
+from .progress import Progress
+from .stream import DEFAULT_CHUNK_MIB, ShardFiles, stream_rows
 
 DEFAULT_VERIFY_ROWS = 1024
 

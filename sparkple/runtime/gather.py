@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import TableError
+from ..errors import TableError
 
 
 def _flat_view(out: np.ndarray, rows: int, width: int) -> np.ndarray:

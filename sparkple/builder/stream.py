@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import (
+from ..errors import (
     CheckpointError,
 )
-from .geometry import RowFormat
+from ..geometry import RowFormat
 from .plan import Plan, Shard
 from .safetensors_io import TensorInfo, open_regular
 

@@ -29,7 +29,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .errors import TableError
+from ..errors import TableError
 from .gather import check_row_range
 from .pagecache import PAGE_SIZE, underlying_mmap
 
@@ -43,7 +43,7 @@ _SYS_PROCESS_MADVISE = 440
 
 
 class MappedTable(Protocol):
-    """What the prefetcher needs from a table (sparkple.table.PackedTable has it)."""
+    """What the prefetcher needs from a table (sparkple.runtime.table.PackedTable has it)."""
 
     rows: np.ndarray  # read-only 2-D uint8 memmap [total_rows, row_width]
     fd: int  # a separate read-only fd of the data file, for posix_fadvise
