@@ -32,10 +32,11 @@ otherwise after it was ready makes the front exit 1, so that the supervisor sees
 It answers `/v1/models`, `/v1/completions` and `/v1/chat/completions` in the shape vLLM's
 OpenAI server answers them (a request for another model name is a 404, as in vLLM).
 
-Its command line is the subset of `vllm serve`'s that the service's unit passes (ACCEPTED_FLAGS;
-tests/vllm checks each flag against vLLM 0.33.0's own parser): anything else is refused like
-vLLM refuses an unknown argument (exit 2), and JSON-valued flags must be valid JSON, so a unit
-that mangles an argument fails in the lab too. The lab's own knobs are env vars:
+Its command line is the subset of `vllm serve`'s that the service's unit passes (ACCEPTED_FLAGS
+of the serving recipe, sparkple.serving.recipe; tests/vllm checks each flag against vLLM
+0.33.0's own parser): anything else is refused like vLLM refuses an unknown argument (exit 2),
+and JSON-valued flags must be valid JSON, so a unit that mangles an argument fails in the lab
+too. The lab's own knobs are env vars:
 SPARKPLE_LAB_ENGINE_TIMEOUT_S, the bound on each reply of the engine (seconds, default 30), and
 SPARKPLE_LAB_TOKEN_DELAY_S, the time the engine takes per token (seconds, default 0), so that a
 generation can last as long as a real one.
@@ -75,6 +76,7 @@ from sparkple.runtime.nvfp4 import dequantize_rows
 from sparkple.runtime.stats import PLEStats, StatsFile
 from sparkple.runtime.table import PackedTable, open_table
 from sparkple.runtime.tablemeta import read_meta
+from sparkple.serving.recipe import ACCEPTED_FLAGS  # the flags the serving plan may write
 
 # The patch output directory the service mounts read-only next to the patched files.
 PATCH_DIR = Path(os.environ.get("SPARKPLE_PATCH_DIR", "/opt/sparkple/patches"))
@@ -84,31 +86,6 @@ ENGINE_STOP_GRACE_S = 5.0
 STATS_INTERVAL_S = 5.0
 # vLLM's default --max-num-seqs (the requests the scheduler runs at once).
 DEFAULT_MAX_NUM_SEQS = 256
-# The `vllm serve` flags the lab accepts: flag -> how its value is read (None: a switch).
-# Each one is checked against vLLM 0.33.0's parser in tests/vllm/test_serve_args.py.
-ACCEPTED_FLAGS: dict[str, Any] = {
-    "--model": str,
-    "--served-model-name": str,
-    "--host": str,
-    "--port": int,
-    "--max-model-len": int,
-    "--max-num-seqs": int,
-    "--max-num-batched-tokens": int,
-    "--kv-cache-dtype": str,
-    "--mamba-ssm-cache-dtype": str,
-    "--speculative-config": "json",
-    "--reasoning-parser": str,
-    "--tool-call-parser": str,
-    "--enable-auto-tool-choice": None,
-    "--enable-chunked-prefill": None,
-    "--disable-chunked-prefill": None,
-    "--load-format": str,
-    "--safetensors-load-strategy": str,
-    "--compilation-config": "json",
-    "--distributed-executor-backend": str,
-    "--gpu-memory-utilization": float,
-    "--hf-overrides": "json",
-}
 
 
 def vllm_dir() -> Path:

@@ -15,8 +15,8 @@ from .errors import EXIT_CHECK_FAILED, SparkpleError
 # subcommand -> module that defines `add_parser(subparsers, name)`; the parser's
 # default `func(args) -> int` runs it.
 COMMANDS: dict[str, str] = {
-    "serving-plan": "sparkple.serving",
-    "launch-gate": "sparkple.serving",
+    "serving-plan": "sparkple.serving.cli",
+    "launch-gate": "sparkple.serving.cli",
     "snapshot-manifest": "sparkple.manifest",
     "synth-checkpoint": "sparkple.builder.synth",
     "build-table": "sparkple.builder.tablecli",

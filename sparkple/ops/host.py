@@ -1,4 +1,4 @@
-"""Reading the host's memory figures and running the site's configured commands.
+"""Running the site's configured commands, and what the host's kernel tells about its devices.
 
 Commands are given as one string (a unit file or a role variable), split with shell rules and
 run without a shell; `{name}` placeholders in each word are filled from a mapping, so a value
@@ -15,9 +15,6 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-MEMINFO = Path("/proc/meminfo")
-KIB = 1024
-
 
 def service_options() -> argparse.ArgumentParser:
     """The flags of every program that watches the serving unit (an argparse parent): the unit
@@ -29,17 +26,6 @@ def service_options() -> argparse.ArgumentParser:
         "--alert-min-interval-s", type=float, default=900.0, help="seconds between alerts of a kind"
     )
     return p
-
-
-def read_meminfo(path: Path = MEMINFO) -> dict[str, int]:
-    """/proc/meminfo (or a file in its format) as bytes per field (kB in it are KiB)."""
-    fields: dict[str, int] = {}
-    for line in path.read_text().splitlines():
-        name, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts and parts[0].isdigit():
-            fields[name] = int(parts[0]) * (KIB if parts[1:] == ["kB"] else 1)
-    return fields
 
 
 @dataclass(frozen=True)

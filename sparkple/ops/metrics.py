@@ -29,10 +29,11 @@ from typing import Any
 
 from ..atomicfile import write_text
 from ..errors import TableError
+from ..meminfo import read_meminfo
 from ..runtime import stats
 from ..runtime.pagecache import PAGE_SIZE, file_resident_pages
 from ..runtime.tablemeta import read_meta
-from .host import block_device, kernel_error_counts, read_meminfo, run_command
+from .host import block_device, kernel_error_counts, run_command
 from .state import (
     INCIDENT_KINDS,
     SUPERVISOR_STATES,
