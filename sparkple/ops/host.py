@@ -143,3 +143,16 @@ def kernel_error_counts(path: Path = KMSG, io_device: str = "") -> dict[str, int
         if on_device and any(n in line for n in IO_ERROR_NEEDLES) and on_device.search(line):
             counts["table_io"] += 1
     return counts
+
+
+def table_device(args: argparse.Namespace) -> str:
+    """--table-device, else the block device under --table-dir ("" when neither tells)."""
+    if getattr(args, "table_device", ""):
+        return str(args.table_device)
+    table_dir = getattr(args, "table_dir", None)
+    if table_dir is None:
+        return ""
+    try:
+        return block_device(table_dir) or ""
+    except OSError:
+        return ""

@@ -8,9 +8,10 @@ import time
 import numpy as np
 import pytest
 
+from sparkple.runtime.lookahead import Lookahead
 from sparkple.runtime.ngram import row_ids
 from sparkple.runtime.pagecache import PAGE_SIZE, resident_pages
-from sparkple.runtime.prefetch import Lookahead, plan_page_numbers
+from sparkple.runtime.prefetch import plan_page_numbers
 from sparkple.runtime.stats import PLEStats
 from sparkple.runtime.table import open_table
 
