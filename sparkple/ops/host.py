@@ -62,10 +62,10 @@ def run_command(
     try:
         if stdout_path is not None:
             with open(stdout_path, "wb") as out:
-                proc = subprocess.run(
+                to_file = subprocess.run(
                     argv, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s, check=False
                 )
-            return CommandResult(argv, proc.returncode, "", "")
+            return CommandResult(argv, to_file.returncode, "", "")
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
         return CommandResult(argv, proc.returncode, proc.stdout, proc.stderr)
     except FileNotFoundError as exc:

@@ -149,7 +149,7 @@ def collect_table(out: Exposition, table_dir: Path, device_override: str) -> Non
     )
     device = device_override or block_device(data_path)
     read = disk_read_bytes(device) if device else None
-    if read is None:
+    if not device or read is None:
         warn(f"disk metrics skipped: no block device statistics for {data_path}")
         return
     out.metric(

@@ -45,8 +45,13 @@ _SYS_PROCESS_MADVISE = 440
 class MappedTable(Protocol):
     """What the prefetcher needs from a table (sparkple.runtime.table.PackedTable has it)."""
 
-    rows: np.ndarray  # read-only 2-D uint8 memmap [total_rows, row_width]
-    fd: int  # a separate read-only fd of the data file, for posix_fadvise
+    @property
+    def rows(self) -> np.ndarray:
+        """The read-only 2-D uint8 memmap [total_rows, row_width]."""
+
+    @property
+    def fd(self) -> int:
+        """A separate read-only fd of the data file, for posix_fadvise."""
 
 
 def _check_ids(row_ids: np.ndarray, total_rows: int) -> np.ndarray:
@@ -276,10 +281,12 @@ class Prefetcher:
             mm = self._mmap
             assert mm is not None
             pairs = np.stack((starts, lengths), axis=1)
-            self._in_pool(
-                pairs,
-                lambda part: [mm.madvise(mmap.MADV_WILLNEED, s, n) for s, n in part.tolist()],
-            )
+
+            def advise(part: np.ndarray) -> None:
+                for s, n in part.tolist():
+                    mm.madvise(mmap.MADV_WILLNEED, s, n)
+
+            self._in_pool(pairs, advise)
         else:
             fd = self.fd
             for s, n in zip(starts.tolist(), lengths.tolist(), strict=True):
