@@ -39,7 +39,9 @@ and JSON-valued flags must be valid JSON, so a unit that mangles an argument fai
 too. The lab's own knobs are env vars:
 SPARKPLE_LAB_ENGINE_TIMEOUT_S, the bound on each reply of the engine (seconds, default 30), and
 SPARKPLE_LAB_TOKEN_DELAY_S, the time the engine takes per token (seconds, default 0), so that a
-generation can last as long as a real one.
+generation can last as long as a real one, and SPARKPLE_LAB_HEALTH_FAIL_FILE, a path: while a
+file is there, /health answers 503 as vLLM's does once its engine core died (the operations
+tests turn it on and off under a running server).
 """
 
 from __future__ import annotations
@@ -493,7 +495,10 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             if self.path == "/health":
-                if state.ready:
+                failing = os.environ.get("SPARKPLE_LAB_HEALTH_FAIL_FILE", "")
+                if failing and os.path.exists(failing):
+                    send_json(self, 503, {"error": f"the engine core is dead ({failing} exists)"})
+                elif state.ready:
                     send_json(self, 200, {"status": "ok", "patches": state.patches})
                 else:
                     send_json(self, 503, {"error": state.problem})
@@ -661,6 +666,7 @@ def main(argv: list[str] | None = None) -> int:
     # PID 1 in a container ignores SIGTERM unless it handles it: `docker stop` must stop us,
     # also while the engine starts. SystemExit unwinds to the `finally` that stops the engine.
     def on_sigterm(*_: Any) -> None:
+        log("SIGTERM: stopping the engine")
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
