@@ -14,6 +14,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from lab_service import alive, children  # noqa: F401 - the tests' /proc helpers
+
+from sparkple.meminfo import read_meminfo
+
 ROOT = Path(__file__).resolve().parents[2]
 LAB = ROOT / "lab"  # the lab stand-in for vLLM (never shipped to a Spark)
 SHM = Path("/dev/shm")  # POSIX shared memory, where --ipc host engines leave segments
@@ -25,10 +29,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.g
 
 
 def meminfo_mib(field: str) -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) // 1024
-    raise KeyError(field)
+    return read_meminfo()[field] // (1024 * 1024)
 
 
 def program(name: str, *args: object) -> list[str]:
@@ -56,14 +57,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def alive(pid: int) -> bool:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return text.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 def service_cmd(command: str, directory: Path, *extra: object) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from ops_helpers import LAB, ROOT, alive, free_port, wait_for
+from ops_helpers import LAB, ROOT, alive, children, free_port, wait_for
 
 ENGINE_TIMEOUT_S = 0.5
 
@@ -36,18 +36,6 @@ def request(
 
 def complete(port: int, max_tokens: int = 8) -> tuple[int, dict]:
     return request(port, "/v1/completions", {"prompt": "hello spark", "max_tokens": max_tokens})
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == pid:
-            found.append(int(stat.parent.name))
-    return found
 
 
 def gone(pid: int) -> bool:
