@@ -79,11 +79,13 @@ def from_spec(spec: dict[str, Any]) -> tuple[Recipe, BudgetKnobs]:
 def plan(
     snapshot: Path, recipe: Recipe, knobs: BudgetKnobs, mem_total_bytes: int
 ) -> dict[str, Any]:
-    """The sizes, the budget, its summary and vLLM's argv; ServingError when it cannot work."""
+    """The recipe and knobs as typed, the sizes, the budget, its summary and vLLM's argv;
+    ServingError when it cannot work."""
     sizes = snapshot_sizes(snapshot)
     recipe.check(sizes.mtp_layers)
     budget = compute_budget(sizes, recipe, mem_total_bytes, knobs)
     return {
+        "recipe": {**asdict(recipe), **asdict(knobs)},
         "sizes": asdict(sizes),
         "budget": asdict(budget),
         "summary": budget.summary(),

@@ -223,6 +223,8 @@ def test_plan_command_prints_argv_and_budget(hf_snapshot: Path) -> None:
     # below the cap the fraction is rounded up: the KV left holds max_model_len
     assert plan["budget"]["kv_left_gib"] >= plan["budget"]["kv_need_gib"]
     assert plan["argv"][0] == "/m"
+    # the recipe as the plan typed it (what the role records)
+    assert plan["recipe"]["reserve_gib"] == 4.0 and plan["recipe"]["max_num_seqs"] == 4
     util = plan["budget"]["gpu_memory_utilization"]
     assert f"--gpu-memory-utilization={util}" in plan["argv"]
     spec["max_model_len"] = 524_288
