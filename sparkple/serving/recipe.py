@@ -2,8 +2,9 @@
 
 Each field of `Recipe` names its variable and the flags it sets (`served`); from them come
 vLLM's argv, the flags extra arguments may not repeat (OWNED_FLAGS), the variables the role
-passes (`variables()`) and the flags the lab's stand-in server accepts (ACCEPTED_FLAGS). A new
-served flag is one field here, plus the role's default and its argument spec.
+passes (sparkple.serving.cli.variables) and the flags the lab's stand-in server accepts
+(ACCEPTED_FLAGS). A new served flag is one field here, plus the role's default and its
+argument spec.
 
 Standard library only: the role runs it with the host's python3 (`sparkple serving-plan`).
 """
