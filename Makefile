@@ -1,7 +1,7 @@
 # The two set-up commands of the README; everything they need is installed by .ci/ scripts.
 .PHONY: test lab lab-destroy gpu-check gpu-bundle
 
-# every test: pytest, ruff, yamllint, template syntax, ansible-lint, molecule scenarios
+# every test: pytest, ruff, mypy, yamllint, template syntax, ansible-lint, molecule scenarios
 test:
 	bash .ci/test
 

@@ -30,9 +30,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sparkple.pagecache import resident_pages  # noqa: E402
-from sparkple.plan import plan_build  # noqa: E402
-from sparkple.synth import synth_checkpoint, vocab_base_for_bytes  # noqa: E402
+from sparkple.builder.plan import plan_build  # noqa: E402
+from sparkple.builder.synth import synth_checkpoint, vocab_base_for_bytes  # noqa: E402
+from sparkple.runtime.pagecache import resident_pages  # noqa: E402
 
 # The floor: the same source bytes read in file order (8 MiB reads on a reader thread, as
 # the builder does) and written sequentially to one file with the same write-behind, then

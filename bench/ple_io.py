@@ -14,8 +14,8 @@
 - handshake: publish-to-observe latency across processes vs a pipe, and CPU used waiting.
 
 Cold means evicted with POSIX_FADV_DONTNEED and checked with mincore; disk bytes come from
-/proc/self/io (read_bytes), faults from getrusage. The table is synthetic (sparkple.synth +
-sparkple.build), built once into --work and reused. Writes one JSON object and PNG plots
+/proc/self/io (read_bytes), faults from getrusage. The table is synthetic (sparkple.builder.synth +
+sparkple.builder.build), built once into --work and reused. Writes one JSON object and PNG plots
 next to it (when matplotlib is installed: pip install -e '.[bench]'); the headline is the
 last line printed.
 """
@@ -45,12 +45,12 @@ sys.path.insert(0, str(ROOT))
 
 from synthtable import ensure_table  # noqa: E402
 
-from sparkple.gather import gather_rows  # noqa: E402
-from sparkple.handshake import Publisher, SeqFlag, Waiter  # noqa: E402
-from sparkple.prefetch import MECHANISMS, Prefetcher, plan_page_numbers  # noqa: E402
-from sparkple.table import PackedTable, open_table  # noqa: E402
-from sparkple.tablemeta import read_meta  # noqa: E402
-from sparkple.worker import GatherWorker  # noqa: E402
+from sparkple.runtime.gather import gather_rows  # noqa: E402
+from sparkple.runtime.handshake import Publisher, SeqFlag, Waiter  # noqa: E402
+from sparkple.runtime.prefetch import MECHANISMS, Prefetcher, plan_page_numbers  # noqa: E402
+from sparkple.runtime.table import PackedTable, open_table  # noqa: E402
+from sparkple.runtime.tablemeta import read_meta  # noqa: E402
+from sparkple.runtime.worker import GatherWorker  # noqa: E402
 
 PAGE = mmap.PAGESIZE
 HEADS = 16
@@ -433,7 +433,7 @@ _PRODUCER = r"""
 import os, sys, time
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-from sparkple.handshake import Publisher, SeqFlag
+from sparkple.runtime.handshake import Publisher, SeqFlag
 mode, delays = sys.argv[2], np.load(sys.argv[3])
 if sys.argv[6] == "rt":
     os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))

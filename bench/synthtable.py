@@ -1,7 +1,7 @@
 """The benchmarks' synthetic table: about `gib` GiB with the real row geometry, built once.
 
 A published table of the wanted size in `work/table-<gib>gib` is reused; otherwise a synthetic
-checkpoint is written (sparkple.synth) and packed (sparkple.build). The checkpoint's
+checkpoint is written (sparkple.builder.synth) and packed (sparkple.builder.build). The checkpoint's
 config.json is kept beside the table as `config-<gib>gib.json` for the benchmarks that build
 vLLM's layer from it.
 """
@@ -14,10 +14,10 @@ from pathlib import Path
 
 from measure import log
 
-from sparkple.build import build_table
+from sparkple.builder.build import build_table
+from sparkple.builder.synth import synth_checkpoint, vocab_base_for_bytes
 from sparkple.errors import TableError
-from sparkple.synth import synth_checkpoint, vocab_base_for_bytes
-from sparkple.tablemeta import read_meta
+from sparkple.runtime.tablemeta import read_meta
 
 
 def ensure_table(work: Path, gib: float, keep_snapshot: bool = False) -> tuple[Path, Path, bool]:

@@ -6,12 +6,12 @@ the operations units are exercised for real. Like vLLM's OpenAI server it is two
 
 - the engine (a child process) checks the patched vLLM files mounted over the image's own
   against their manifest, opens the packed PLE table named by SPARKPLE_PLE_TABLE_DIR
-  through `sparkple.table` (the package bind-mounted read-only, as for vLLM) with the geometry
-  of the mounted model's config.json, then serves completions on a unix socket: the prompt's
-  UTF-8 bytes become token ids, their PLE rows are looked up in the table (row ids from
-  `sparkple.ngram`, the gather from `sparkple.gather`, the NVFP4 decode from `sparkple.nvfp4`)
-  and each next "token" is derived from the decoded rows. The text means nothing; the
-  lookups are real.
+  through `sparkple.runtime.table` (the package bind-mounted read-only, as for vLLM) with the
+  geometry of the mounted model's config.json, then serves completions on a unix socket: the
+  prompt's UTF-8 bytes become token ids, their PLE rows are looked up in the table (row ids
+  from `sparkple.runtime.ngram`, the gather from `sparkple.runtime.gather`, the NVFP4 decode
+  from `sparkple.runtime.nvfp4`) and each next "token" is derived from the decoded rows. The
+  text means nothing; the lookups are real.
 - the API front answers `GET /health` itself: 200 once the engine reported both checks good,
   503 with the reason otherwise. It hands each `POST /v1/completions` to the engine, which
   sends the tokens back one at a time, and answers 504 when the engine does not send the next
@@ -32,13 +32,16 @@ otherwise after it was ready makes the front exit 1, so that the supervisor sees
 It answers `/v1/models`, `/v1/completions` and `/v1/chat/completions` in the shape vLLM's
 OpenAI server answers them (a request for another model name is a 404, as in vLLM).
 
-Its command line is the subset of `vllm serve`'s that the service's unit passes (ACCEPTED_FLAGS;
-tests/vllm checks each flag against vLLM 0.33.0's own parser): anything else is refused like
-vLLM refuses an unknown argument (exit 2), and JSON-valued flags must be valid JSON, so a unit
-that mangles an argument fails in the lab too. The lab's own knobs are env vars:
+Its command line is the subset of `vllm serve`'s that the service's unit passes (ACCEPTED_FLAGS
+of the serving recipe, sparkple.serving.recipe; tests/vllm checks each flag against vLLM
+0.33.0's own parser): anything else is refused like vLLM refuses an unknown argument (exit 2),
+and JSON-valued flags must be valid JSON, so a unit that mangles an argument fails in the lab
+too. The lab's own knobs are env vars:
 SPARKPLE_LAB_ENGINE_TIMEOUT_S, the bound on each reply of the engine (seconds, default 30), and
 SPARKPLE_LAB_TOKEN_DELAY_S, the time the engine takes per token (seconds, default 0), so that a
-generation can last as long as a real one.
+generation can last as long as a real one, and SPARKPLE_LAB_HEALTH_FAIL_FILE, a path: while a
+file is there, /health answers 503 as vLLM's does once its engine core died (the operations
+tests turn it on and off under a running server).
 """
 
 from __future__ import annotations
@@ -68,13 +71,14 @@ import numpy as np
 from lab_metrics import ServingMetrics  # beside this file, as in the lab images
 
 from sparkple.errors import SparkpleError
-from sparkple.gather import gather_rows
 from sparkple.geometry import PLEGeometry
-from sparkple.ngram import row_ids
-from sparkple.nvfp4 import dequantize_rows
-from sparkple.stats import PLEStats, StatsFile
-from sparkple.table import PackedTable, open_table
-from sparkple.tablemeta import read_meta
+from sparkple.runtime.gather import gather_rows
+from sparkple.runtime.ngram import row_ids
+from sparkple.runtime.nvfp4 import dequantize_rows
+from sparkple.runtime.stats import PLEStats, StatsFile
+from sparkple.runtime.table import PackedTable, open_table
+from sparkple.runtime.tablemeta import read_meta
+from sparkple.serving.recipe import ACCEPTED_FLAGS  # the flags the serving plan may write
 
 # The patch output directory the service mounts read-only next to the patched files.
 PATCH_DIR = Path(os.environ.get("SPARKPLE_PATCH_DIR", "/opt/sparkple/patches"))
@@ -84,31 +88,6 @@ ENGINE_STOP_GRACE_S = 5.0
 STATS_INTERVAL_S = 5.0
 # vLLM's default --max-num-seqs (the requests the scheduler runs at once).
 DEFAULT_MAX_NUM_SEQS = 256
-# The `vllm serve` flags the lab accepts: flag -> how its value is read (None: a switch).
-# Each one is checked against vLLM 0.33.0's parser in tests/vllm/test_serve_args.py.
-ACCEPTED_FLAGS: dict[str, Any] = {
-    "--model": str,
-    "--served-model-name": str,
-    "--host": str,
-    "--port": int,
-    "--max-model-len": int,
-    "--max-num-seqs": int,
-    "--max-num-batched-tokens": int,
-    "--kv-cache-dtype": str,
-    "--mamba-ssm-cache-dtype": str,
-    "--speculative-config": "json",
-    "--reasoning-parser": str,
-    "--tool-call-parser": str,
-    "--enable-auto-tool-choice": None,
-    "--enable-chunked-prefill": None,
-    "--disable-chunked-prefill": None,
-    "--load-format": str,
-    "--safetensors-load-strategy": str,
-    "--compilation-config": "json",
-    "--distributed-executor-backend": str,
-    "--gpu-memory-utilization": float,
-    "--hf-overrides": "json",
-}
 
 
 def vllm_dir() -> Path:
@@ -516,7 +495,10 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             if self.path == "/health":
-                if state.ready:
+                failing = os.environ.get("SPARKPLE_LAB_HEALTH_FAIL_FILE", "")
+                if failing and os.path.exists(failing):
+                    send_json(self, 503, {"error": f"the engine core is dead ({failing} exists)"})
+                elif state.ready:
                     send_json(self, 200, {"status": "ok", "patches": state.patches})
                 else:
                     send_json(self, 503, {"error": state.problem})
@@ -684,6 +666,7 @@ def main(argv: list[str] | None = None) -> int:
     # PID 1 in a container ignores SIGTERM unless it handles it: `docker stop` must stop us,
     # also while the engine starts. SystemExit unwinds to the `finally` that stops the engine.
     def on_sigterm(*_: Any) -> None:
+        log("SIGTERM: stopping the engine")
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)

@@ -15,13 +15,13 @@ from .errors import EXIT_CHECK_FAILED, SparkpleError
 # subcommand -> module that defines `add_parser(subparsers, name)`; the parser's
 # default `func(args) -> int` runs it.
 COMMANDS: dict[str, str] = {
-    "serving-plan": "sparkple.serving",
-    "launch-gate": "sparkple.serving",
+    "serving-plan": "sparkple.serving.cli",
+    "launch-gate": "sparkple.serving.cli",
     "snapshot-manifest": "sparkple.manifest",
-    "synth-checkpoint": "sparkple.synth",
-    "build-table": "sparkple.tablecli",
-    "verify-table": "sparkple.tablecli",
-    "inspect-table": "sparkple.tablecli",
+    "synth-checkpoint": "sparkple.builder.synth",
+    "build-table": "sparkple.builder.tablecli",
+    "verify-table": "sparkple.builder.tablecli",
+    "inspect-table": "sparkple.builder.tablecli",
     "patch": "sparkple.patch.cli",
 }
 

@@ -55,6 +55,7 @@ def manifest_lines(
         )
     try:
         from huggingface_hub import HfApi
+        from huggingface_hub.hf_api import RepoFile
         from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_backoff
     except ImportError:
         raise ManifestError(
@@ -69,7 +70,7 @@ def manifest_lines(
             f"could not list {repo} at {revision} on {api.endpoint}: "
             f"{_scrub(f'{type(exc).__name__}: {exc}', token)}"
         ) from None
-    files = [e for e in entries if hasattr(e, "blob_id")]
+    files = [e for e in entries if isinstance(e, RepoFile)]
     if not files:
         raise ManifestError(f"{repo} at {revision} lists no files on {api.endpoint}")
     lines = []

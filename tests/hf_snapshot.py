@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from sparkple.synth import synth_checkpoint
+from sparkple.builder.synth import synth_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 REPO_DIR = "models--Mia-AiLab--Qwen3.8-Flash-Next-NVFP4"

@@ -1,4 +1,4 @@
-"""Reading the host's memory figures and running the site's configured commands.
+"""Running the site's configured commands, and what the host's kernel tells about its devices.
 
 Commands are given as one string (a unit file or a role variable), split with shell rules and
 run without a shell; `{name}` placeholders in each word are filled from a mapping, so a value
@@ -15,9 +15,6 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-MEMINFO = Path("/proc/meminfo")
-KIB = 1024
-
 
 def service_options() -> argparse.ArgumentParser:
     """The flags of every program that watches the serving unit (an argparse parent): the unit
@@ -29,17 +26,6 @@ def service_options() -> argparse.ArgumentParser:
         "--alert-min-interval-s", type=float, default=900.0, help="seconds between alerts of a kind"
     )
     return p
-
-
-def read_meminfo(path: Path = MEMINFO) -> dict[str, int]:
-    """/proc/meminfo (or a file in its format) as bytes per field (kB in it are KiB)."""
-    fields: dict[str, int] = {}
-    for line in path.read_text().splitlines():
-        name, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts and parts[0].isdigit():
-            fields[name] = int(parts[0]) * (KIB if parts[1:] == ["kB"] else 1)
-    return fields
 
 
 @dataclass(frozen=True)
@@ -76,10 +62,10 @@ def run_command(
     try:
         if stdout_path is not None:
             with open(stdout_path, "wb") as out:
-                proc = subprocess.run(
+                to_file = subprocess.run(
                     argv, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s, check=False
                 )
-            return CommandResult(argv, proc.returncode, "", "")
+            return CommandResult(argv, to_file.returncode, "", "")
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
         return CommandResult(argv, proc.returncode, proc.stdout, proc.stderr)
     except FileNotFoundError as exc:
@@ -157,3 +143,16 @@ def kernel_error_counts(path: Path = KMSG, io_device: str = "") -> dict[str, int
         if on_device and any(n in line for n in IO_ERROR_NEEDLES) and on_device.search(line):
             counts["table_io"] += 1
     return counts
+
+
+def table_device(args: argparse.Namespace) -> str:
+    """--table-device, else the block device under --table-dir ("" when neither tells)."""
+    if getattr(args, "table_device", ""):
+        return str(args.table_device)
+    table_dir = getattr(args, "table_dir", None)
+    if table_dir is None:
+        return ""
+    try:
+        return block_device(table_dir) or ""
+    except OSError:
+        return ""

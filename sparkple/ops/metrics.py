@@ -7,7 +7,8 @@ One run collects:
   - bytes read from the block device holding the table (/proc/diskstats);
   - major page faults of the serving process tree (/proc/<pid>/stat, pid from --pid or from
     `docker inspect` of --container);
-  - the PLE counters the patched backend writes into the stats dir (format: sparkple/stats.py);
+  - the PLE counters the patched backend writes into the stats dir (format:
+    sparkple/runtime/stats.py);
   - the supervisor's state and the incident markers, when --state-dir is given;
   - NVIDIA driver errors (Xid, NV_ERR_NO_MEMORY) in the kernel log, when --kmsg is given.
 A source that is missing only drops its metrics (and says so on stderr); the file is still
@@ -26,12 +27,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import stats
 from ..atomicfile import write_text
 from ..errors import TableError
-from ..pagecache import PAGE_SIZE, file_resident_pages
-from ..tablemeta import read_meta
-from .host import block_device, kernel_error_counts, read_meminfo, run_command
+from ..meminfo import read_meminfo
+from ..runtime import stats
+from ..runtime.pagecache import PAGE_SIZE, file_resident_pages
+from ..runtime.tablemeta import read_meta
+from .host import block_device, kernel_error_counts, run_command
 from .state import (
     INCIDENT_KINDS,
     SUPERVISOR_STATES,
@@ -147,7 +149,7 @@ def collect_table(out: Exposition, table_dir: Path, device_override: str) -> Non
     )
     device = device_override or block_device(data_path)
     read = disk_read_bytes(device) if device else None
-    if read is None:
+    if not device or read is None:
         warn(f"disk metrics skipped: no block device statistics for {data_path}")
         return
     out.metric(
@@ -216,7 +218,7 @@ def collect_process(out: Exposition, pid: int | None, container: str) -> None:
 
 # -- PLE counters from the backend ------------------------------------------------------------
 def read_stats_dir(stats_dir: Path, max_age_s: float, now: float) -> list[dict[str, Any]]:
-    """Fresh, well-formed stats files (format defined in sparkple/stats.py)."""
+    """Fresh, well-formed stats files (format defined in sparkple/runtime/stats.py)."""
     docs = []
     for path in sorted(stats_dir.glob("ple-stats-*.json")):
         try:

@@ -75,6 +75,18 @@ class Client:
             return code, None
 
 
+def http_status(url: str, timeout_s: float) -> int:
+    """The HTTP status of a GET (0 when no answer came)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            response.read(1024)
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (OSError, ValueError):
+        return 0
+
+
 def check_generation(client: Client, model: str, timeout_s: float) -> tuple[bool, str]:
     if not model:
         code, models = client.request("/v1/models", None, timeout_s)

@@ -50,9 +50,9 @@ def holders(paths: list[Path]) -> dict[str, list[int]]:
                     found.add(target)
             with open(f"/proc/{entry}/maps") as maps:
                 for line in maps:
-                    path = line.rstrip("\n").split(None, 5)[5:]
-                    if path and path[0].removesuffix(" (deleted)") in wanted:
-                        found.add(path[0].removesuffix(" (deleted)"))
+                    mapped = line.rstrip("\n").split(None, 5)[5:]
+                    if mapped and mapped[0].removesuffix(" (deleted)") in wanted:
+                        found.add(mapped[0].removesuffix(" (deleted)"))
         except OSError:  # the process exited, or is not ours to read
             continue
         for path in found:

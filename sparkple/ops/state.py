@@ -18,7 +18,7 @@ import contextlib
 import datetime as dt
 import fcntl
 import json
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +87,7 @@ def _marker_paths(state_dir: Path, kind: str) -> list[Path]:
     return list((state_dir / MARKERS).glob(f"{kind}-*.json"))
 
 
-def read_markers(state_dir: Path, kinds: set[str], since: float) -> list[dict[str, Any]]:
+def read_markers(state_dir: Path, kinds: Collection[str], since: float) -> list[dict[str, Any]]:
     """Markers of the given kinds whose time is at or after `since`, oldest first.
 
     Markers are never pruned and the supervisor asks every few seconds, so the name (kind and
@@ -109,7 +109,7 @@ def read_markers(state_dir: Path, kinds: set[str], since: float) -> list[dict[st
     return sorted(found, key=lambda marker: marker["time"])
 
 
-def count_markers(state_dir: Path, kinds: set[str]) -> dict[str, int]:
+def count_markers(state_dir: Path, kinds: Collection[str]) -> dict[str, int]:
     """How many markers of each kind were ever recorded (counted by name, none parsed)."""
     return {kind: len(_marker_paths(state_dir, kind)) for kind in kinds}
 

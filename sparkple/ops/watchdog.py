@@ -23,8 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..meminfo import MEMINFO, read_meminfo
 from .alert import Alerter
-from .host import MEMINFO, read_meminfo, run_command, service_options
+from .host import run_command, service_options
 from .state import iso, update_json, utc_stamp, write_json, write_marker
 
 MIB = 1024 * 1024

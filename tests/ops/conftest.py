@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import http.server
 import json
 import subprocess
@@ -11,14 +12,38 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from ops_helpers import SHM, Standin
-from standin import free_port
+from ops_helpers import SHM, LabService, free_port
+
+from sparkple.builder.build import build_table
+from sparkple.builder.plan import plan_build
+from sparkple.builder.synth import synth_checkpoint
+
+
+@pytest.fixture(scope="session")
+def lab_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | int]:
+    """A snapshot, its table, and a `vllm` package whose one "patched" file is in a manifest:
+    what the lab server opens and checks, as in the lab's serving container."""
+    root = tmp_path_factory.mktemp("lab-server")
+    snap = synth_checkpoint(root / "snap", vocab_base=4_000, files=1, seed=5)
+    build_table(snap, root / "table", quiet=True)
+    vllm = root / "site" / "vllm"
+    vllm.mkdir(parents=True)
+    (vllm / "__init__.py").write_text("")
+    (vllm / "patched.py").write_text("# patched\n")
+    patches = root / "patches"
+    patches.mkdir()
+    digest = hashlib.sha256((vllm / "patched.py").read_bytes()).hexdigest()
+    manifest = {"files": [{"path": "patched.py", "patched_sha256": digest}]}
+    (patches / "manifest.json").write_text(json.dumps(manifest))
+    heads = plan_build(snap).geometry.num_heads
+    return {"snap": snap, "table": root / "table", "site": root / "site", "patches": patches,
+            "heads": heads}  # fmt: skip
 
 
 @pytest.fixture
-def standin(tmp_path: Path) -> Iterator[Standin]:
-    server = Standin(tmp_path / "service", free_port())
-    server.dir.mkdir()
+def lab(tmp_path: Path, lab_data: dict) -> Iterator[LabService]:
+    """The lab server as the service under test (not started)."""
+    server = LabService(tmp_path / "service", free_port(), lab_data)
     yield server
     server.kill_all()
 

@@ -1,31 +1,35 @@
 """Helpers for the operations tests: they run the real host-side programs (sparkple.ops) as
-subprocesses against real processes, real HTTP servers and the real /proc."""
+subprocesses against real processes (the lab server, lab/lab_server.py, as the service), real
+HTTP servers and the real /proc."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from lab_service import alive, children  # noqa: F401 - the tests' /proc helpers
+
+from sparkple.meminfo import read_meminfo
+
 ROOT = Path(__file__).resolve().parents[2]
 LAB = ROOT / "lab"  # the lab stand-in for vLLM (never shipped to a Spark)
 SHM = Path("/dev/shm")  # POSIX shared memory, where --ipc host engines leave segments
-STANDIN = Path(__file__).with_name("standin.py")
+# The lab server managed as a service (start, stop, is-active), as systemd manages the unit.
+LAB_SERVICE = Path(__file__).with_name("lab_service.py")
 # The programs run from this checkout's package, as a host runs them from the installed copy
 # (PYTHONPATH=<package dir> python3 -m sparkple.ops.<program>).
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 
 def meminfo_mib(field: str) -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) // 1024
-    raise KeyError(field)
+    return read_meminfo()[field] // (1024 * 1024)
 
 
 def program(name: str, *args: object) -> list[str]:
@@ -49,9 +53,15 @@ def watchdog_cmd(state: Path, *args: object, interval_s: float) -> list[str]:
     )  # fmt: skip
 
 
-def standin_cmd(command: str, directory: Path, *extra: object) -> str:
-    """A command line (as the programs' --*-cmd flags take it) for the stand-in manager."""
-    words = [sys.executable, "-S", str(STANDIN), command, str(directory), *map(str, extra)]
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def service_cmd(command: str, directory: Path, *extra: object) -> str:
+    """A command line (as the programs' --*-cmd flags take it) for the lab service manager."""
+    words = [sys.executable, "-S", str(LAB_SERVICE), command, str(directory), *map(str, extra)]
     return " ".join(f"'{w}'" for w in words)
 
 
@@ -81,31 +91,43 @@ def markers(state_dir: Path, kind: str) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((state_dir / "markers").glob(f"{kind}-*"))]
 
 
-class Standin:
-    """The stand-in server managed through its own start/stop/is-active commands."""
+class LabService:
+    """The lab server as the service the host programs watch, through its manager's commands.
 
-    def __init__(self, directory: Path, port: int) -> None:
+    `files` are the lab data (a snapshot, its table, a patch manifest and the `vllm` package it
+    names); the server's argv and environment go into <directory>/service.json."""
+
+    def __init__(self, directory: Path, port: int, files: dict) -> None:
         self.dir = directory
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
+        directory.mkdir(parents=True)
+        spec = {
+            "argv": [sys.executable, str(LAB / "lab_server.py"), "--model", str(files["snap"]),
+                     "--port", str(port)],
+            "env": {"PYTHONPATH": f"{ROOT}{os.pathsep}{files['site']}",
+                    "SPARKPLE_PLE_TABLE_DIR": str(files["table"]),
+                    "SPARKPLE_PATCH_DIR": str(files["patches"])},
+            "url": self.url,
+        }  # fmt: skip
+        (directory / "service.json").write_text(json.dumps(spec))
 
     def start(self, *extra: str) -> None:
-        cmd = [sys.executable, str(STANDIN), "start", str(self.dir), "--port", str(self.port)]
-        subprocess.run([*cmd, *extra], check=True, timeout=20)
+        cmd = [sys.executable, str(LAB_SERVICE), "start", str(self.dir)]
+        subprocess.run([*cmd, *extra], check=True, timeout=90)
 
     def active(self) -> bool:
-        cmd = [sys.executable, str(STANDIN), "is-active", str(self.dir)]
+        cmd = [sys.executable, str(LAB_SERVICE), "is-active", str(self.dir)]
         return subprocess.run(cmd, timeout=20).returncode == 0
 
     def pid(self, which: str) -> int:
         return int((self.dir / f"{which}.pid").read_text())
 
     def cmd(self, command: str) -> str:
-        extra = ("--port", self.port) if command == "start" else ()
-        return standin_cmd(command, self.dir, *extra)
+        return service_cmd(command, self.dir)
 
     def watchdog_args(self) -> list[str]:
-        """The watchdog's service commands (is it running, its log, stop it) for this stand-in."""
+        """The watchdog's service commands (is it running, its log, stop it) for this server."""
         return [
             "--running-cmd", self.cmd("is-active"),
             "--logs-cmd", f"cat {self.dir / 'server.log'}",

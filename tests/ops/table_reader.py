@@ -1,6 +1,6 @@
 """A real process that reads a packed table the way the serving backend does, for the metrics
 tests: read-only mmap with MADV_RANDOM, rows copied out on request, counters kept in
-sparkple.stats and written to a stats dir.
+sparkple.runtime.stats and written to a stats dir.
 
 Protocol on stdin, one command a line, answered with one line on stdout:
   gather FIRST COUNT ROW_WIDTH   copy rows FIRST..FIRST+COUNT-1; answers "ok <checksum>"
@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from sparkple.stats import PLEStats, StatsFile
+from sparkple.runtime.stats import PLEStats, StatsFile
 
 
 def main() -> int:

@@ -4,7 +4,6 @@ A SIGSTOPped engine must look wedged (/health 200, completions 504 within the bo
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -17,34 +16,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from ops_helpers import LAB, ROOT, wait_for
-from standin import alive, free_port
-
-from sparkple.build import build_table
-from sparkple.plan import plan_build
-from sparkple.synth import synth_checkpoint
+from ops_helpers import LAB, ROOT, alive, children, free_port, wait_for
 
 ENGINE_TIMEOUT_S = 0.5
-
-
-@pytest.fixture(scope="module")
-def lab_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | int]:
-    """A snapshot, its table, and a `vllm` package whose one "patched" file is in a manifest."""
-    root = tmp_path_factory.mktemp("lab-server")
-    snap = synth_checkpoint(root / "snap", vocab_base=4_000, files=1, seed=5)
-    build_table(snap, root / "table", quiet=True)
-    vllm = root / "site" / "vllm"
-    vllm.mkdir(parents=True)
-    (vllm / "__init__.py").write_text("")
-    (vllm / "patched.py").write_text("# patched\n")
-    patches = root / "patches"
-    patches.mkdir()
-    digest = hashlib.sha256((vllm / "patched.py").read_bytes()).hexdigest()
-    manifest = {"files": [{"path": "patched.py", "patched_sha256": digest}]}
-    (patches / "manifest.json").write_text(json.dumps(manifest))
-    heads = plan_build(snap).geometry.num_heads
-    return {"snap": snap, "table": root / "table", "site": root / "site", "patches": patches,
-            "heads": heads}  # fmt: skip
 
 
 def request(
@@ -62,18 +36,6 @@ def request(
 
 def complete(port: int, max_tokens: int = 8) -> tuple[int, dict]:
     return request(port, "/v1/completions", {"prompt": "hello spark", "max_tokens": max_tokens})
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == pid:
-            found.append(int(stat.parent.name))
-    return found
 
 
 def gone(pid: int) -> bool:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from ops_helpers import LAB, ROOT
-from test_lab_server import lab_data, lab_server, request  # noqa: F401 - fixtures
+from test_lab_server import lab_server, request  # noqa: F401 - fixtures
 
 MTP = '--speculative-config={"method":"mtp","num_speculative_tokens":3}'
 

@@ -17,7 +17,7 @@ import urllib.request
 from http.client import HTTPResponse
 
 from ops_helpers import wait_for
-from test_lab_server import engine_of, health, lab_data, lab_server, request  # noqa: F401
+from test_lab_server import engine_of, health, lab_server, request  # noqa: F401
 
 MODEL = "qwen3.8-flash-next"
 

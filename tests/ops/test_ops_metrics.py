@@ -18,9 +18,9 @@ from ops_helpers import ROOT, program
 
 from sparkple.ops.host import block_device, device_names
 from sparkple.ops.state import SUPERVISOR_STATES
-from sparkple.pagecache import file_resident_pages
-from sparkple.stats import PLEStats, StatsFile
-from sparkple.tablemeta import FORMAT_VERSION, SourceFingerprint, TableMeta
+from sparkple.runtime.pagecache import file_resident_pages
+from sparkple.runtime.stats import PLEStats, StatsFile
+from sparkple.runtime.tablemeta import FORMAT_VERSION, SourceFingerprint, TableMeta
 
 ROW = 90
 TABLE_BYTES = 16 * 1024 * 1024 - (16 * 1024 * 1024) % ROW  # whole rows, about 16 MiB
@@ -256,7 +256,11 @@ def test_a_slow_reader_never_sees_a_partial_file(tmp_path):
 def test_every_supervisor_state_has_a_gauge():
     """The metrics export one gauge per state in sparkple.ops.state.SUPERVISOR_STATES: every
     state the supervisor writes must be there, or its gauges all read 0 while it is in it."""
-    source = (ROOT / "sparkple" / "ops" / "supervisor.py").read_text()
+    # the modules that write the supervisor's state: its loop and the maintenance relaunch
+    source = "".join(
+        (ROOT / "sparkple" / "ops" / name).read_text()
+        for name in ("supervisor.py", "supervision.py", "maintenance.py")
+    )
     written = set(re.findall(r"""(?:state=|"state": |\["state"\] = )"([a-z-]+)\"""", source))
     assert {"starting", "running", "reset"} <= written  # the pattern finds all three spellings
     assert written <= set(SUPERVISOR_STATES)

@@ -1,4 +1,4 @@
-"""sparkple.stats: the counters file the serving backend writes for the host's metrics."""
+"""sparkple.runtime.stats: the counters file the serving backend writes for the host's metrics."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from sparkple.stats import (
+from sparkple.runtime.stats import (
     COUNTERS,
     WAIT_BOUNDS_S,
     PLEStats,

@@ -1,5 +1,6 @@
-"""The supervisor relaunching a real stand-in service, with the real watchdog stopping it (its
-floor set above this machine's real MemAvailable), backoff, hold and circuit breaker."""
+"""The supervisor relaunching the real lab server (lab/lab_server.py) as its service, with the
+real watchdog stopping it (its floor set above this machine's real MemAvailable), backoff, hold
+and circuit breaker."""
 
 from __future__ import annotations
 
@@ -48,20 +49,20 @@ def events(state, name: str) -> list[dict]:
     return [h for h in sup_state(state).get("history", []) if h["event"] == name]
 
 
-def test_relaunch_with_backoff_until_the_breaker_opens_then_reset(tmp_path, standin, procs):
+def test_relaunch_with_backoff_until_the_breaker_opens_then_reset(tmp_path, lab, procs):
     state = tmp_path / "state"
-    standin.start()
-    sup = procs(supervisor(state, standin))
+    lab.start()
+    sup = procs(supervisor(state, lab))
     wait_for(lambda: sup_state(state).get("state") == "running", 10, "supervisor sees it up")
     started = time.monotonic()
     wd = procs(
-        # 5 samples x 0.2 s: longer than the stand-in's start command (it waits for /health),
+        # 5 samples x 0.2 s: longer than the lab service's start command (it waits for /health),
         # so a trip does not land inside a start on a loaded machine
         watchdog_cmd(
             state,
             "--avail-floor-mib",
             above_real_memory(),
-            *standin.watchdog_args(),
+            *lab.watchdog_args(),
             interval_s=0.2,
         )
     )
@@ -93,7 +94,7 @@ def test_relaunch_with_backoff_until_the_breaker_opens_then_reset(tmp_path, stan
 
     # The breaker latches: nothing relaunches the service while it is open.
     time.sleep(2 * BASE)
-    assert not standin.active()
+    assert not lab.active()
     assert sup_state(state)["state"] == "breaker-open"
     shown = subprocess.run(
         program("supervisor", "status", "--state-dir", state),
@@ -108,7 +109,7 @@ def test_relaunch_with_backoff_until_the_breaker_opens_then_reset(tmp_path, stan
     reset_at = time.time()
     subprocess.run(program("supervisor", "reset", "--state-dir", state), check=True, timeout=20)
     wait_for(lambda: sup_state(state).get("state") == "running", 10, "running after reset")
-    assert standin.active()
+    assert lab.active()
     after = [r for r in events(state, "relaunch") if r["time"] >= reset_at]
     assert len(after) == 1 and after[0]["attempt"] == 1
     assert after[0]["backoff_s"] == BASE and after[0]["waited_s"] >= BASE, after
@@ -116,12 +117,10 @@ def test_relaunch_with_backoff_until_the_breaker_opens_then_reset(tmp_path, stan
     assert "breaker-open" in output(sup)
 
 
-def test_holds_after_repeated_launch_failures(tmp_path, standin, procs):
+def test_holds_after_repeated_launch_failures(tmp_path, lab, procs):
     state = tmp_path / "state"
     sup = procs(
-        supervisor(
-            state, standin, "--start-cmd", "false", "--hold-after", 3, "--backoff-base-s", 0.1
-        )
+        supervisor(state, lab, "--start-cmd", "false", "--hold-after", 3, "--backoff-base-s", 0.1)
     )
     wait_for(lambda: sup_state(state).get("state") == "hold", 10, "hold")
     failures = events(state, "launch-failed")
@@ -134,7 +133,7 @@ def test_holds_after_repeated_launch_failures(tmp_path, standin, procs):
     assert sup.poll() is None
 
 
-def test_a_start_failed_by_an_emergency_stop_is_not_a_launch_failure(tmp_path, standin, procs):
+def test_a_start_failed_by_an_emergency_stop_is_not_a_launch_failure(tmp_path, lab, procs):
     """The watchdog may stop the service while its start command still runs: the start fails,
     but the marker says why, as it does for a service stopped after it came up."""
     state = tmp_path / "state"
@@ -149,7 +148,7 @@ def test_a_start_failed_by_an_emergency_stop_is_not_a_launch_failure(tmp_path, s
     sup = procs(
         supervisor(
             state,
-            standin,
+            lab,
             "--start-cmd",
             f"{sys.executable} {script}",
             "--hold-after",
@@ -194,46 +193,44 @@ def test_a_service_that_dies_right_after_launch_counts_as_a_failed_launch(tmp_pa
     assert len(events(state, "relaunch")) == 2
 
 
-def test_manual_stop_flag_is_respected(tmp_path, standin, procs):
+def test_manual_stop_flag_is_respected(tmp_path, lab, procs):
     state = tmp_path / "state"
     subprocess.run(
         program("supervisor", "manual-stop", "--state-dir", state), check=True, timeout=20
     )
-    procs(supervisor(state, standin, "--backoff-base-s", 0.1))
+    procs(supervisor(state, lab, "--backoff-base-s", 0.1))
     wait_for(lambda: sup_state(state).get("state") == "manual-stop", 10, "manual-stop state")
     time.sleep(1.0)
-    assert not standin.active() and events(state, "relaunch") == []
+    assert not lab.active() and events(state, "relaunch") == []
     subprocess.run(program("supervisor", "resume", "--state-dir", state), check=True, timeout=20)
     wait_for(lambda: sup_state(state).get("state") == "running", 10, "relaunch after resume")
-    assert standin.active()
+    assert lab.active()
 
 
-def relaunch(state: Path, standin, *extra) -> subprocess.CompletedProcess:
-    """`supervisor relaunch` (the weekly drain and relaunch) of the stand-in service."""
+def relaunch(state: Path, lab, *extra) -> subprocess.CompletedProcess:
+    """`supervisor relaunch` (the weekly drain and relaunch) of the lab service."""
     return subprocess.run(
         program(
             "supervisor", "relaunch",
             "--state-dir", state,
-            "--check-cmd", standin.cmd("is-active"),
-            "--start-cmd", standin.cmd("start"),
-            "--stop-cmd", standin.cmd("stop"),
+            "--check-cmd", lab.cmd("is-active"),
+            "--start-cmd", lab.cmd("start"),
+            "--stop-cmd", lab.cmd("stop"),
             *extra,
         ),
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
 
 
-def test_maintenance_relaunch_drains_and_restarts_without_a_down_event(tmp_path, standin, procs):
+def test_maintenance_relaunch_drains_and_restarts_without_a_down_event(tmp_path, lab, procs):
     state = tmp_path / "state"
-    standin.start()
-    procs(supervisor(state, standin))
+    lab.start()
+    procs(supervisor(state, lab))
     wait_for(lambda: sup_state(state).get("state") == "running", 10, "running")
-    before = standin.pid("front")
-    done = relaunch(
-        state, standin, "--drain-metrics-url", standin.url + "/metrics", "--drain-timeout-s", 5
-    )
+    before = lab.pid("front")
+    done = relaunch(state, lab, "--drain-metrics-url", lab.url + "/metrics", "--drain-timeout-s", 5)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert standin.active() and standin.pid("front") != before
+    assert lab.active() and lab.pid("front") != before
     relaunched = events(state, "maintenance-relaunch")
     assert len(relaunched) == 1 and relaunched[0]["drained"] is True
     time.sleep(0.5)
@@ -255,23 +252,23 @@ def test_markers_are_read_by_kind_and_time_oldest_first(tmp_path):
 
 
 def test_a_start_that_never_gets_healthy_is_stopped_counted_and_alerted(
-    tmp_path, standin, procs, receiver, monkeypatch
+    tmp_path, lab, procs, receiver, monkeypatch
 ):
     """The unit is up but /health never answers 200: past the readiness deadline the launch is
     stopped and counted (not taken for a stable service), and an alert goes out."""
     url, got = receiver
     monkeypatch.setenv("PLE_ALERT_URL", url)
     state = tmp_path / "state"
-    flag = standin.dir / "health-fail"  # the start itself waits for /health: set it after
-    broken_start = f'sh -c "rm -f {flag}; {standin.cmd("start")} && touch {flag}"'
+    flag = lab.dir / "health-fail"  # the start itself waits for /health: set it after
+    broken_start = f'sh -c "rm -f {flag}; {lab.cmd("start")} && touch {flag}"'
     procs(
         supervisor(
             state,
-            standin,
+            lab,
             "--start-cmd",
             broken_start,
             "--url",
-            standin.url,
+            lab.url,
             "--ready-timeout-s",
             1,
             "--stable-s",
@@ -286,24 +283,24 @@ def test_a_start_that_never_gets_healthy_is_stopped_counted_and_alerted(
     timeouts = events(state, "ready-timeout")
     assert len(timeouts) == 2 and all(t["after_s"] >= 1 and t["stop_exit"] == 0 for t in timeouts)
     assert events(state, "stable") == [] and events(state, "ready") == []
-    assert sup_state(state)["launch_failures"] == 2 and not standin.active()
+    assert sup_state(state)["launch_failures"] == 2 and not lab.active()
     wait_for(lambda: any(a["event"] == "not-ready" for a in got), 5, "the not-ready alert")
 
 
-def test_stable_means_healthy_for_stable_s_not_merely_up(tmp_path, standin, procs):
+def test_stable_means_healthy_for_stable_s_not_merely_up(tmp_path, lab, procs):
     """A /health failure restarts the stable clock (healthy_since in the supervisor's state);
     "stable" comes stable_s after the new clock started, asserted on the supervisor's record."""
     stable_s = 3.0
     state = tmp_path / "state"
-    procs(supervisor(state, standin, "--url", standin.url, "--stable-s", stable_s))
+    procs(supervisor(state, lab, "--url", lab.url, "--stable-s", stable_s))
     wait_for(lambda: sup_state(state).get("healthy_since"), 15, "healthy (the clock runs)")
     first = sup_state(state)["healthy_since"]
     failed_at = time.time()
-    (standin.dir / "health-fail").touch()  # up, but /health failing: the clock stops
+    (lab.dir / "health-fail").touch()  # up, but /health failing: the clock stops
     wait_for(lambda: sup_state(state).get("healthy_since") is None, 15, "the clock stopped")
-    assert standin.active(), "up all along: only /health failed"
+    assert lab.active(), "up all along: only /health failed"
     assert events(state, "stable") == [], "the clock reached stable_s before /health failed"
-    (standin.dir / "health-fail").unlink()
+    (lab.dir / "health-fail").unlink()
     wait_for(lambda: sup_state(state).get("healthy_since"), 15, "the clock runs again")
     second = sup_state(state)["healthy_since"]
     # a new clock, started by a poll after the one that saw /health fail (so after the
@@ -318,12 +315,12 @@ def test_stable_means_healthy_for_stable_s_not_merely_up(tmp_path, standin, proc
 # ------------------------------------------------------------------ shared memory
 
 
-def test_leaked_shared_memory_is_removed_before_a_relaunch(tmp_path, standin, procs, shm_prefix):
+def test_leaked_shared_memory_is_removed_before_a_relaunch(tmp_path, lab, procs, shm_prefix):
     leaked = [SHM / f"{shm_prefix}psm_{i}" for i in range(3)]
     for seg in leaked:
         seg.write_bytes(b"\0" * 8192)
     state = tmp_path / "state"
-    procs(supervisor(state, standin, "--shm-patterns", f"{shm_prefix}*"))
+    procs(supervisor(state, lab, "--shm-patterns", f"{shm_prefix}*"))
     wait_for(lambda: events(state, "relaunch"), 15, "the first launch")
     [cleaned] = events(state, "shm-cleaned")
     assert sorted(cleaned["removed"]) == sorted(map(str, leaked)) and cleaned["bytes"] == 3 * 8192
@@ -331,7 +328,7 @@ def test_leaked_shared_memory_is_removed_before_a_relaunch(tmp_path, standin, pr
     assert cleaned["time"] <= events(state, "relaunch")[0]["time"]
 
 
-def test_shared_memory_a_live_process_holds_is_kept(tmp_path, standin, procs, shm_prefix):
+def test_shared_memory_a_live_process_holds_is_kept(tmp_path, lab, procs, shm_prefix):
     held, other = SHM / f"{shm_prefix}psm_held", SHM / f"{shm_prefix}psm_other"
     for seg in (held, other):
         seg.write_bytes(b"\0" * 4096)
@@ -343,7 +340,7 @@ def test_shared_memory_a_live_process_holds_is_kept(tmp_path, standin, procs, sh
     try:
         assert holder.stdout.readline().strip() == b"holding"
         state = tmp_path / "state"
-        procs(supervisor(state, standin, "--shm-patterns", f"{shm_prefix}*"))
+        procs(supervisor(state, lab, "--shm-patterns", f"{shm_prefix}*"))
         wait_for(lambda: events(state, "relaunch"), 15, "the launch")
         [kept] = events(state, "shm-held")
         assert kept["held"] == {str(held): [holder.pid]}
@@ -357,11 +354,11 @@ def test_shared_memory_a_live_process_holds_is_kept(tmp_path, standin, procs, sh
 # ------------------------------------------------------------------ manual stop, smoke, heartbeat
 
 
-def test_a_stop_under_the_manual_stop_flag_is_no_failure(tmp_path, standin, procs):
+def test_a_stop_under_the_manual_stop_flag_is_no_failure(tmp_path, lab, procs):
     """What a rollout does: set the flag, stop, switch, start, clear the flag."""
     state = tmp_path / "state"
-    standin.start()
-    procs(supervisor(state, standin, "--backoff-base-s", 0.1, "--url", standin.url))
+    lab.start()
+    procs(supervisor(state, lab, "--backoff-base-s", 0.1, "--url", lab.url))
     wait_for(lambda: sup_state(state).get("state") == "running", 10, "running")
     sup = ["supervisor"]
     subprocess.run(
@@ -370,28 +367,28 @@ def test_a_stop_under_the_manual_stop_flag_is_no_failure(tmp_path, standin, proc
     )  # fmt: skip
     assert "by rollout" in (state / "manual-stop").read_text()
     since = time.time()
-    subprocess.run(shlex.split(standin.cmd("stop")), check=True, timeout=20)
+    subprocess.run(shlex.split(lab.cmd("stop")), check=True, timeout=20)
     time.sleep(1.0)  # ten backoff periods
-    standin.start()
+    lab.start()
     subprocess.run(program(*sup, "resume", "--state-dir", state), check=True, timeout=20)
     wait_for(lambda: sup_state(state).get("state") == "running", 10, "running again")
     later = [h["event"] for h in sup_state(state)["history"] if h["time"] >= since]
     assert not {"down", "relaunch", "launch-failed", "ready-timeout"} & set(later), later
 
 
-def test_maintenance_relaunch_ends_with_a_smoke_generation(tmp_path, standin, procs):
+def test_maintenance_relaunch_ends_with_a_smoke_generation(tmp_path, lab, procs):
     state = tmp_path / "state"
-    standin.start()
-    procs(supervisor(state, standin))
+    lab.start()
+    procs(supervisor(state, lab))
     wait_for(lambda: sup_state(state).get("state") == "running", 10, "running")
-    done = relaunch(state, standin, "--url", standin.url, "--ready-timeout-s", 10)
+    done = relaunch(state, lab, "--url", lab.url, "--ready-timeout-s", 10)
     assert done.returncode == 0, done.stdout + done.stderr
     [smoke] = events(state, "maintenance-smoke")
     assert smoke["ok"] is True and smoke["detail"].startswith("16 tokens"), smoke
 
 
 def test_daily_heartbeat_carries_the_status_line_with_kernel_error_counts(
-    tmp_path, standin, procs, receiver, monkeypatch
+    tmp_path, lab, procs, receiver, monkeypatch
 ):
     url, got = receiver
     monkeypatch.setenv("PLE_ALERT_URL", url)
@@ -403,8 +400,8 @@ def test_daily_heartbeat_carries_the_status_line_with_kernel_error_counts(
         "4,4,400,-;NVRM: Xid (PCI:000f:01:00): 43, pid=1234, name=python3, Ch 00000008\n"
     )
     state = tmp_path / "state"
-    standin.start()
-    procs(supervisor(state, standin, "--heartbeat-s", 86400, "--kmsg", kmsg))
+    lab.start()
+    procs(supervisor(state, lab, "--heartbeat-s", 86400, "--kmsg", kmsg))
     beat = wait_for(lambda: [a for a in got if a["event"] == "heartbeat"], 10, "a heartbeat")
     assert "supervisor running" in beat[0]["text"], beat
     assert "Xid 2, NV_ERR_NO_MEMORY 1" in beat[0]["text"]
@@ -418,7 +415,7 @@ def test_daily_heartbeat_carries_the_status_line_with_kernel_error_counts(
 
 
 def test_io_errors_on_the_tables_device_are_alerted_with_what_to_do(
-    tmp_path, standin, procs, receiver, monkeypatch
+    tmp_path, lab, procs, receiver, monkeypatch
 ):
     """A server down after new kernel I/O errors on the table's device: one alert saying to
     verify and rebuild the table, again only when more errors come; the status line counts them."""
@@ -434,7 +431,7 @@ def test_io_errors_on_the_tables_device_are_alerted_with_what_to_do(
     table = tmp_path / "table"
     args = ("--kmsg", kmsg, "--table-dir", table, "--table-device", "sdz")
     args += ("--alert-min-interval-s", 0, "--hold-after", 10)
-    procs(supervisor(state, standin, "--start-cmd", "false", *args))
+    procs(supervisor(state, lab, "--start-cmd", "false", *args))
     (alert,) = wait_for(
         lambda: [a for a in got if a["event"] == "table-io-errors"], 10, "the I/O error alert"
     )

@@ -33,8 +33,8 @@ def finished_emergency(state: Path, timeout_s: float) -> dict:
     )[0]
 
 
-def test_trips_after_debounce_archives_log_and_stops_the_service(tmp_path, standin, procs):
-    standin.start()
+def test_trips_after_debounce_archives_log_and_stops_the_service(tmp_path, lab, procs):
+    lab.start()
     state = tmp_path / "state"
     started = time.monotonic()
     wd = procs(
@@ -42,7 +42,7 @@ def test_trips_after_debounce_archives_log_and_stops_the_service(tmp_path, stand
             state,
             "--avail-floor-mib",
             above_real_memory(),
-            *standin.watchdog_args(),
+            *lab.watchdog_args(),
         )  # fmt: skip
     )
     marker = finished_emergency(state, 15)
@@ -56,11 +56,11 @@ def test_trips_after_debounce_archives_log_and_stops_the_service(tmp_path, stand
     assert span >= 4 * INTERVAL * 0.9, f"five samples must span four intervals, got {span:.3f} s"
     assert "MemAvailable" in marker["reason"]
     assert marker["stopped"] is True and marker["stop_exit"] == 0
-    assert not standin.active(), "the service was stopped"
+    assert not lab.active(), "the service was stopped"
     archive = Path(marker["log_archive"])
     assert archive.parent == tmp_path / "logs" and archive.name.startswith("lab-vllm-")
-    assert "stand-in: serving on" in archive.read_text(), "the service's log was archived"
-    assert "SIGTERM" in (standin.dir / "server.log").read_text(), "stopped gracefully (SIGTERM)"
+    assert "lab_server: listening on" in archive.read_text(), "the service's log was archived"
+    assert "SIGTERM" in (lab.dir / "server.log").read_text(), "stopped gracefully (SIGTERM)"
     assert elapsed < 10
 
     wd.send_signal(signal.SIGTERM)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkple.synth import synth_checkpoint
+from sparkple.builder.synth import synth_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout
 

@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sparkple.build import build_table
+from sparkple.builder.build import build_table
+from sparkple.builder.plan import plan_build
+from sparkple.builder.synth import synth_checkpoint
+from sparkple.builder.verify import verify_table
 from sparkple.errors import TableError
 from sparkple.geometry import PLEGeometry
-from sparkple.plan import plan_build
-from sparkple.synth import synth_checkpoint
-from sparkple.tablemeta import META_NAME, read_meta
-from sparkple.verify import verify_table
+from sparkple.runtime.tablemeta import META_NAME, read_meta
 
 from .conftest import ROOT, cli, run_cli
 

@@ -2,9 +2,9 @@
 
 import pytest
 
+from sparkple.builder.synth import make_config
 from sparkple.errors import CheckpointError
 from sparkple.geometry import PLEGeometry, RowFormat, is_prime, primes_above, splitmix64
-from sparkple.synth import make_config
 
 REAL_SIZES = (
     20000003,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from sparkple.builder.synth import make_config
 from sparkple.geometry import PLEGeometry
-from sparkple.ngram import row_ids, row_ids_torch
-from sparkple.nvfp4 import dequantize_rows, dequantize_rows_torch
-from sparkple.synth import make_config
+from sparkple.runtime.ngram import row_ids, row_ids_torch
+from sparkple.runtime.nvfp4 import dequantize_rows, dequantize_rows_torch
 
 torch = pytest.importorskip("torch")
 pytestmark = [

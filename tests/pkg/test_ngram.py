@@ -5,9 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sparkple.builder.synth import make_config
 from sparkple.geometry import PLEGeometry
-from sparkple.ngram import row_ids, row_ids_torch
-from sparkple.synth import make_config
+from sparkple.runtime.ngram import row_ids, row_ids_torch
 
 M64 = (1 << 64) - 1
 EOS = 5  # a small vocabulary makes EOS frequent in random sequences

@@ -6,7 +6,7 @@ import struct
 import numpy as np
 import pytest
 
-from sparkple import nvfp4
+from sparkple.runtime import nvfp4
 
 
 def e4m3_reference(byte: int) -> float:

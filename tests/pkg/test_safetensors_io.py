@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from sparkple.builder.safetensors_io import Snapshot, read_header
 from sparkple.errors import CheckpointError
-from sparkple.safetensors_io import Snapshot, read_header
 
 
 def write_raw(path: Path, header: object, data: bytes, header_len: int | None = None) -> Path:

@@ -1,4 +1,4 @@
-"""The serving plan (sparkple.serving): the budget formula with the figures of
+"""The serving plan (sparkple.serving: recipe and budget): the budget formula with the figures of
 docs/reference-deployment.md#memory-budget, the refusals, the recipe's checks and argv, sizes
 read from a real synthetic snapshot in the HF cache layout, and the launch gate on meminfo files."""
 
@@ -7,21 +7,22 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 import pytest
 from hf_snapshot import hf_cache_snapshot
 
-from sparkple.serving import (
+from sparkple.serving.budget import (
     GIB,
     BudgetKnobs,
-    Recipe,
-    ServingError,
     SnapshotSizes,
     compute_budget,
     launch_gate,
     snapshot_sizes,
 )
+from sparkple.serving.cli import from_spec, variables
+from sparkple.serving.recipe import Recipe, ServingError
 
 ROOT = Path(__file__).resolve().parents[2]
 MEMTOTAL = int(119.7 * GIB)  # the README's worked example
@@ -222,6 +223,8 @@ def test_plan_command_prints_argv_and_budget(hf_snapshot: Path) -> None:
     # below the cap the fraction is rounded up: the KV left holds max_model_len
     assert plan["budget"]["kv_left_gib"] >= plan["budget"]["kv_need_gib"]
     assert plan["argv"][0] == "/m"
+    # the recipe as the plan typed it (what the role records)
+    assert plan["recipe"]["reserve_gib"] == 4.0 and plan["recipe"]["max_num_seqs"] == 4
     util = plan["budget"]["gpu_memory_utilization"]
     assert f"--gpu-memory-utilization={util}" in plan["argv"]
     spec["max_model_len"] = 524_288
@@ -270,6 +273,26 @@ def test_readme_worked_example() -> None:
     assert b.kv_need_gib == pytest.approx(8.35, abs=0.01)
 
 
+def role_variables() -> dict:
+    """What the roles define by default: vllm_service's defaults and vars, sparkple_common's."""
+    import yaml
+
+    found: dict = {}
+    for part in ("vllm_service/defaults", "vllm_service/vars", "sparkple_common/defaults"):
+        found.update(yaml.safe_load((ROOT / "roles" / part / "main.yml").read_text()))
+    return found
+
+
+def test_every_recipe_key_is_read_from_a_variable_the_roles_define() -> None:
+    """vllm_service passes --recipe as {key: value of variables()[key]}: each must exist."""
+    defined = role_variables()
+    missing = {key: var for key, var in variables().items() if var not in defined}
+    assert not missing, f"the recipe reads variables no role defines: {missing}"
+    assert set(variables()) == set(Recipe.__dataclass_fields__) | set(
+        BudgetKnobs.__dataclass_fields__
+    )
+
+
 def test_role_defaults_are_the_packages_recipe_and_budget() -> None:
     """vllm_service's defaults (and sparkple_common's served name) and sparkple.serving's cannot
     drift apart."""
@@ -277,12 +300,18 @@ def test_role_defaults_are_the_packages_recipe_and_budget() -> None:
 
     defaults = yaml.safe_load((ROOT / "roles/vllm_service/defaults/main.yml").read_text())
     shared = yaml.safe_load((ROOT / "roles/sparkple_common/defaults/main.yml").read_text())
+    defined = role_variables()
     r = recipe()
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype",
                  "mamba_ssm_cache_dtype", "mtp_depth", "reasoning_parser", "tool_call_parser",
                  "cudagraph_mode", "safetensors_load_strategy", "chunked_prefill"):  # fmt: skip
         assert defaults[f"vllm_service_{name}"] == getattr(r, name), name
     assert shared["sparkple_served_model_name"] == r.served_model_name
+    # every field with a default, from whichever role defines its variable
+    for cls, instance in ((Recipe, r), (BudgetKnobs, BudgetKnobs())):
+        for f in fields(cls):
+            if f.default is not MISSING:
+                assert defined[f.metadata["var"]] == getattr(instance, f.name), f.name
     k = BudgetKnobs()
     knob_vars = {"reserve_gib": "memtotal_reserve_gib", "slack_gib": "memory_slack_gib"}
     for name in BudgetKnobs.__dataclass_fields__:
@@ -290,3 +319,22 @@ def test_role_defaults_are_the_packages_recipe_and_budget() -> None:
     assert shared["sparkple_health_gate_timeout_s"] == 1800
     checkpoint = yaml.safe_load((ROOT / "roles/model_checkpoint/defaults/main.yml").read_text())
     assert checkpoint["model_checkpoint_repo"] == "Mia-AiLab/Qwen3.8-Flash-Next-NVFP4"
+
+
+def test_recipe_values_from_the_inventory_are_typed_as_the_fields() -> None:
+    """`-e vllm_service_max_num_seqs=8` reaches the plan as a string: typed as Ansible's filters
+    type it; anything that is not the field's type is refused, naming the variable."""
+    given = {"model": "/m", "served_model_name": "x", "max_num_seqs": "8",
+             "chunked_prefill": "no", "reserve_gib": "28", "extra_args": ["--a"]}  # fmt: skip
+    r, k = from_spec(given)
+    assert (r.max_num_seqs, r.chunked_prefill, k.reserve_gib) == (8, False, 28.0)
+    assert r.extra_args == ("--a",)
+    for key, value, want in (("max_num_seqs", "eight", "use a number"),
+                             ("max_num_seqs", 8.5, "use a whole number"),
+                             ("chunked_prefill", "maybe", "use true or false"),
+                             ("extra_args", "--a", "use a list"),
+                             ("reserve_gib", True, "use a number")):  # fmt: skip
+        with pytest.raises(ServingError, match=f"{variables()[key]} .*{want}"):
+            from_spec({"model": "/m", "served_model_name": "x", key: value})
+    with pytest.raises(ServingError, match="unknown keys"):
+        from_spec({"model": "/m", "served_model_name": "x", "max_num_sequences": 8})

@@ -8,10 +8,10 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from sparkple.builder.plan import plan_build
+from sparkple.builder.safetensors_io import Snapshot
 from sparkple.geometry import PLEGeometry
-from sparkple.nvfp4 import dequantize_fp8_rows, dequantize_rows
-from sparkple.plan import plan_build
-from sparkple.safetensors_io import Snapshot
+from sparkple.runtime.nvfp4 import dequantize_fp8_rows, dequantize_rows
 
 from .conftest import run_cli
 
@@ -87,7 +87,7 @@ def test_cli_writes_a_snapshot(tmp_path):
 
 
 def test_same_seed_same_bytes(tmp_path):
-    from sparkple.synth import synth_checkpoint
+    from sparkple.builder.synth import synth_checkpoint
 
     a = synth_checkpoint(tmp_path / "a", vocab_base=200, files=2, seed=4)
     b = synth_checkpoint(tmp_path / "b", vocab_base=200, files=2, seed=4)
@@ -97,7 +97,7 @@ def test_same_seed_same_bytes(tmp_path):
 
 @pytest.mark.parametrize("quant", ["nvfp4", "fp8"])
 def test_table_gib_option_sizes_the_table(quant):
-    from sparkple.synth import vocab_base_for_bytes
+    from sparkple.builder.synth import vocab_base_for_bytes
 
     width = 90 if quant == "nvfp4" else 160
     base = vocab_base_for_bytes(2 * 2**30, width)

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from wheel_cache import vllm_wheel
 
+from sparkple.builder.synth import make_config
 from sparkple.geometry import PLEGeometry
-from sparkple.ngram import row_ids
-from sparkple.synth import make_config
+from sparkple.runtime.ngram import row_ids
 
 torch = pytest.importorskip("torch")
 
@@ -162,7 +162,7 @@ def ulps_apart(a: float, b: float) -> int:
 def test_nvfp4_decode_matches_vllm(vllm_dequantize):
     """vLLM's CPU path rounds e2m1 x (scale x global), its GPU kernel (e2m1 x scale) x global,
     which is ours: equal wherever e2m1 is a power of two, and within one ulp elsewhere."""
-    from sparkple.nvfp4 import E2M1_TABLE, dequantize_rows
+    from sparkple.runtime.nvfp4 import E2M1_TABLE, dequantize_rows
 
     rng = np.random.default_rng(5)
     packed = rng.integers(0, 256, size=(512, 90), dtype=np.uint8)
@@ -200,7 +200,7 @@ def vllm_ref_quant(wheel):
 def test_quantize_agrees_with_vllm_reference_quantizer(vllm_ref_quant):
     """Same ModelOpt convention and rounding. vLLM multiplies by reciprocals where we divide, so
     a value within an ulp of a tie could in principle round apart; on these inputs none does."""
-    from sparkple.nvfp4 import E2M1_TABLE, e4m3_to_float32, quantize_rows
+    from sparkple.runtime.nvfp4 import E2M1_TABLE, e4m3_to_float32, quantize_rows
 
     rng = np.random.default_rng(9)
     x = rng.standard_normal((256, 160)).astype(np.float32)

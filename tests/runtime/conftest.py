@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sparkple.build import build_table
+from sparkple.builder.build import build_table
+from sparkple.builder.plan import plan_build
+from sparkple.builder.synth import synth_checkpoint
 from sparkple.geometry import PLEGeometry
-from sparkple.plan import plan_build
-from sparkple.synth import synth_checkpoint
 
 
 def direct_rows(path: Path, ids: np.ndarray, width: int) -> np.ndarray:

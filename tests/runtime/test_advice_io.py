@@ -13,9 +13,9 @@ import os
 import numpy as np
 import pytest
 
-from sparkple.gather import gather_rows
-from sparkple.prefetch import Prefetcher, plan_page_numbers
-from sparkple.table import open_table
+from sparkple.runtime.gather import gather_rows
+from sparkple.runtime.prefetch import Prefetcher, plan_page_numbers
+from sparkple.runtime.table import open_table
 
 H = 16
 

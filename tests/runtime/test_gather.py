@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from sparkple.errors import TableError
-from sparkple.gather import gather_rows
+from sparkple.runtime.gather import gather_rows
 
 W = 90
 H = 16

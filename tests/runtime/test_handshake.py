@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 from sparkple.errors import HandshakeError, HandshakeTimeout, ProducerDied
-from sparkple.handshake import Publisher, SeqFlag, Waiter
+from sparkple.runtime.handshake import Publisher, SeqFlag, Waiter
 
 # A producer process: attaches to the flag, fills a shared staging file with the step number
 # before publishing each step, then blocks until killed.
 PRODUCER = """
 import sys, time
 import numpy as np
-from sparkple.handshake import Publisher, SeqFlag
+from sparkple.runtime.handshake import Publisher, SeqFlag
 flag = SeqFlag.attach(sys.argv[1])
 staging = np.memmap(sys.argv[2], dtype=np.int64, mode="r+")
 steps = int(sys.argv[3])

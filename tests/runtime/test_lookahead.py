@@ -8,11 +8,12 @@ import time
 import numpy as np
 import pytest
 
-from sparkple.ngram import row_ids
-from sparkple.pagecache import PAGE_SIZE, resident_pages
-from sparkple.prefetch import Lookahead, plan_page_numbers
-from sparkple.stats import PLEStats
-from sparkple.table import open_table
+from sparkple.runtime.lookahead import Lookahead
+from sparkple.runtime.ngram import row_ids
+from sparkple.runtime.pagecache import PAGE_SIZE, resident_pages
+from sparkple.runtime.prefetch import plan_page_numbers
+from sparkple.runtime.stats import PLEStats
+from sparkple.runtime.table import open_table
 
 GRANULE = 16
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from sparkple.errors import TableError
-from sparkple.pagecache import evict, resident_fraction, resident_pages
-from sparkple.prefetch import (
+from sparkple.runtime.pagecache import evict, resident_fraction, resident_pages
+from sparkple.runtime.prefetch import (
     MECHANISMS,
     Prefetcher,
     coalesce_pages,

@@ -9,17 +9,18 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from sparkple.build import build_table
+from sparkple.builder.build import build_table
 from sparkple.errors import TableError
-from sparkple.gather import gather_rows
-from sparkple.ngram import row_ids
-from sparkple.pagecache import PAGE_SIZE, resident_pages
-from sparkple.prefetch import Lookahead, Prefetcher, plan_page_numbers
-from sparkple.rankcheck import check_ranks, describe
-from sparkple.rowshard import OwnedRows, check_tiling
-from sparkple.stats import PLEStats
-from sparkple.table import open_table
-from sparkple.worker import GatherWorker
+from sparkple.runtime.gather import gather_rows
+from sparkple.runtime.lookahead import Lookahead
+from sparkple.runtime.ngram import row_ids
+from sparkple.runtime.pagecache import PAGE_SIZE, resident_pages
+from sparkple.runtime.prefetch import Prefetcher, plan_page_numbers
+from sparkple.runtime.rankcheck import check_ranks, describe
+from sparkple.runtime.rowshard import OwnedRows, check_tiling
+from sparkple.runtime.stats import PLEStats
+from sparkple.runtime.table import open_table
+from sparkple.runtime.worker import GatherWorker
 
 
 @pytest.fixture

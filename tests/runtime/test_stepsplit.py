@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sparkple.ngram import row_ids
-from sparkple.stepsplit import device_pieces, host_pieces, split_step
-from sparkple.table import open_table
-from sparkple.worker import GatherWorker
+from sparkple.runtime.ngram import row_ids
+from sparkple.runtime.stepsplit import device_pieces, host_pieces, split_step
+from sparkple.runtime.table import open_table
+from sparkple.runtime.worker import GatherWorker
 
 from .conftest import direct_rows
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from sparkple.errors import TableError
-from sparkple.table import open_table
-from sparkple.tablemeta import META_NAME, read_meta
+from sparkple.runtime.table import open_table
+from sparkple.runtime.tablemeta import META_NAME, read_meta
 
 from .conftest import direct_rows
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkple.tablemeta import read_meta
+from sparkple.runtime.tablemeta import read_meta
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -70,8 +70,8 @@ def faulty_table(built_table, tmp_path: Path) -> Iterator[tuple[Path, int, int]]
 GATHER = """
 import sys
 import numpy as np
-from sparkple.gather import gather_rows
-from sparkple.table import open_table
+from sparkple.runtime.gather import gather_rows
+from sparkple.runtime.table import open_table
 
 table = open_table(sys.argv[1])
 staging = np.empty((1, 1, table.row_width), dtype=np.uint8)

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from sparkple.errors import HandshakeError, ProducerDied, TableError
-from sparkple.ngram import row_ids
-from sparkple.nvfp4 import dequantize_rows
-from sparkple.prefetch import Prefetcher
-from sparkple.stats import PLEStats, StatsFile, parse
-from sparkple.table import open_table
-from sparkple.worker import GatherWorker
+from sparkple.runtime.ngram import row_ids
+from sparkple.runtime.nvfp4 import dequantize_rows
+from sparkple.runtime.prefetch import Prefetcher
+from sparkple.runtime.stats import PLEStats, StatsFile, parse
+from sparkple.runtime.table import open_table
+from sparkple.runtime.worker import GatherWorker
 
 from .conftest import direct_rows
 

@@ -1,5 +1,5 @@
 """Run with TRITON_INTERPRET=1 in the vLLM test venv (which has Triton): the fused decode of
-sparkple.nvfp4_triton against the torch decode, bit for bit. Prints one JSON object."""
+sparkple.runtime.nvfp4_triton against the torch decode, bit for bit. Prints one JSON object."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import json
 import numpy as np
 import torch
 
-from sparkple.nvfp4 import dequantize_rows_torch, torch_tables
-from sparkple.nvfp4_triton import decode_packed_rows
+from sparkple.runtime.nvfp4 import dequantize_rows_torch, torch_tables
+from sparkple.runtime.nvfp4_triton import decode_packed_rows
 
 
 def bits(t: torch.Tensor) -> np.ndarray:

@@ -122,8 +122,8 @@ def verdict(result: dict) -> tuple[bool, list[str]]:
 
 def time_decodes(emb) -> dict:
     """The fused decode against the torch decode of the same device buffer, 2,048 tokens."""
-    from sparkple.nvfp4 import dequantize_rows_torch
-    from sparkple.nvfp4_triton import decode_packed_rows
+    from sparkple.runtime.nvfp4 import dequantize_rows_torch
+    from sparkple.runtime.nvfp4_triton import decode_packed_rows
 
     tokens = min(2048, emb.packed_rows.shape[0])
     emb.packed_rows.copy_(torch.randint(0, 0x7E, emb.packed_rows.shape, dtype=torch.uint8))

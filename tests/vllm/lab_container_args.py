@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from sparkple.serving import Recipe
+from sparkple.serving.recipe import Recipe
 
 from .test_serve_args import assert_matches, expected_values, run_check, write_tokenizer
 

@@ -38,7 +38,7 @@ from ple_equivalence import (
     vllm_context,
 )
 
-from sparkple.pagecache import PAGE_SIZE, evict, resident_pages
+from sparkple.runtime.pagecache import PAGE_SIZE, evict, resident_pages
 
 ROW_SHARD = ".ple.ple_embedding.ngram_embedding.shard_"
 PACKAGES = ("vllm.models.qwen4_exp.nvidia", "vllm.models.qwen4_exp.common")

@@ -500,7 +500,7 @@ def compare(stock_module, patched, state_module, snapshot: Path, table_dir: Path
     from transformers import Qwen4ExpTextConfig
 
     from sparkple.geometry import PLEGeometry
-    from sparkple.ngram import row_ids
+    from sparkple.runtime.ngram import row_ids
 
     result: dict = {}
     raw = json.loads((snapshot / "config.json").read_text())
@@ -525,7 +525,7 @@ def compare(stock_module, patched, state_module, snapshot: Path, table_dir: Path
     result["stock_load_rss_growth"] = stock_layer.load_rss_growth
     result["stock_shard_tensors_read"] = shard_reads(stock_layer)
 
-    # sparkple.ngram against vLLM's own compute_ngram_ids, random batches
+    # sparkple.runtime.ngram against vLLM's own compute_ngram_ids, random batches
     rng = np.random.default_rng(3)
     mismatched = 0
     for _ in range(50):

@@ -28,7 +28,7 @@ from pathlib import Path
 import ple_equivalence as eq
 import torch
 
-from sparkple.pagecache import PAGE_SIZE, resident_pages
+from sparkple.runtime.pagecache import PAGE_SIZE, resident_pages
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 from hf_snapshot import hf_cache_snapshot
 
-from sparkple.serving import GIB, BudgetKnobs, Recipe, plan
+from sparkple.serving.budget import GIB, BudgetKnobs
+from sparkple.serving.cli import plan
+from sparkple.serving.recipe import Recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = Path(__file__).resolve().parent / "serve_args_check.py"
@@ -66,7 +68,7 @@ def run_check(vllm_venv: Path, cases: dict, work: Path) -> dict:
 
 
 def expected_values(recipe: dict, util: float) -> dict:
-    """What vLLM's parsed args must hold for a recipe (as sparkple.serving.Recipe fields)."""
+    """What vLLM's parsed args must hold for a recipe (as sparkple.serving.recipe.Recipe fields)."""
     fields = {k: v for k, v in recipe.items() if k in Recipe.__dataclass_fields__}
     r = Recipe(**{**fields, "extra_args": tuple(recipe.get("extra_args", ()))})
     return {

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from sparkple import patch
-from sparkple.build import build_table
-from sparkple.synth import synth_checkpoint
+from sparkple.builder.build import build_table
+from sparkple.builder.synth import synth_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "ple_tp.py"

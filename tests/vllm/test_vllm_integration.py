@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from sparkple import patch
-from sparkple.build import build_table
-from sparkple.stats import parse
-from sparkple.synth import synth_checkpoint
+from sparkple.builder.build import build_table
+from sparkple.builder.synth import synth_checkpoint
+from sparkple.runtime.stats import parse
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "ple_equivalence.py"
@@ -294,7 +294,7 @@ def test_cuda_path_equals_vllms_triton_kernel(
 
 
 def test_fused_decode_is_bit_identical_to_the_torch_decode(vllm_venv: Path) -> None:
-    """The forward's Triton decode (sparkple.nvfp4_triton), run by Triton's interpreter on
+    """The forward's Triton decode (sparkple.runtime.nvfp4_triton), run by Triton's interpreter on
     CPU, against the torch decode: NVFP4 rows with subnormal, zero and the largest E4M3 block
     scales and FP8 rows, float32 and bfloat16, bit for bit."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"}

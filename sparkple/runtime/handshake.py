@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import HandshakeError, HandshakeTimeout, ProducerDied
+from ..errors import HandshakeError, HandshakeTimeout, ProducerDied
 
 # Header layout: int64 slots in one 64-byte line.
 _SEQ, _MAGIC, _PID, _TID, _START, _STATE = range(6)

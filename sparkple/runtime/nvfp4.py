@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .geometry import NVFP4_BLOCK
+from ..geometry import NVFP4_BLOCK
 
 if TYPE_CHECKING:
     import torch

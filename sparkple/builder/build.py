@@ -1,4 +1,4 @@
-"""Build the packed PLE table from a planned snapshot (sparkple.plan).
+"""Build the packed PLE table from a planned snapshot (sparkple.builder.plan).
 
 The build streams the checkpoint's row shards in bounded chunks into one file of packed rows
 (codes then block scales), row r of shard i at global row i x rows_per_shard + r, and publishes
@@ -20,14 +20,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TextIO
 
-from .errors import (
+from ..errors import (
     BuildError,
     TableError,
 )
-from .plan import Plan, plan_build
-from .progress import Progress
-from .stream import DEFAULT_CHUNK_MIB, stream_rows
-from .tablemeta import (
+from ..runtime.tablemeta import (
     DATA_PREFIX,
     DATA_SUFFIX,
     META_NAME,
@@ -35,6 +32,9 @@ from .tablemeta import (
     data_name,
     read_meta,
 )
+from .plan import Plan, plan_build
+from .progress import Progress
+from .stream import DEFAULT_CHUNK_MIB, stream_rows
 from .verify import DEFAULT_VERIFY_ROWS, sample_rows, verify_rows
 
 LOCK_NAME = ".build.lock"

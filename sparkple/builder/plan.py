@@ -12,17 +12,17 @@ from datetime import UTC, datetime
 
 import numpy as np
 
-from .errors import (
+from ..errors import (
     CheckpointError,
 )
-from .geometry import PLEGeometry, RowFormat, text_config
-from .safetensors_io import Snapshot, TensorInfo
-from .tablemeta import (
+from ..geometry import PLEGeometry, RowFormat, text_config
+from ..runtime.tablemeta import (
     FORMAT_VERSION,
     SourceFingerprint,
     TableMeta,
     geometry_fields,
 )
+from .safetensors_io import Snapshot, TensorInfo
 
 BUILDER_VERSION = "sparkple-build-1"
 NOT_COMPARED = {"data_file", "built_at", "builder_version", "extra"}

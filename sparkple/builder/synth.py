@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from .geometry import PLEGeometry, RowFormat
-from .nvfp4 import E4M3_MAX, float32_to_e4m3, global_scale_for, quantize_rows
+from ..geometry import PLEGeometry, RowFormat
+from ..runtime.nvfp4 import E4M3_MAX, float32_to_e4m3, global_scale_for, quantize_rows
 from .safetensors_io import DTYPES
 
 REAL_VOCAB_SIZE = 248_320

@@ -12,13 +12,13 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from .plan import Plan, plan_build
-from .progress import Progress
-from .stream import DEFAULT_CHUNK_MIB, ShardFiles, stream_rows
-from .tablemeta import (
+from ..runtime.tablemeta import (
     META_NAME,
     read_meta,
 )
+from .plan import Plan, plan_build
+from .progress import Progress
+from .stream import DEFAULT_CHUNK_MIB, ShardFiles, stream_rows
 
 DEFAULT_VERIFY_ROWS = 1024
 
@@ -39,7 +39,7 @@ def _verify_part(plan: Plan, data_path: Path, rows: np.ndarray) -> list[int]:
     src = ShardFiles(random_access=True)
     bad = []
     want = np.empty(f.row_width, dtype=np.uint8)
-    codes, scales = memoryview(want[: f.codes_width]), memoryview(want[f.codes_width :])
+    codes, scales = want[: f.codes_width].data, want[f.codes_width :].data
     fd = os.open(data_path, os.O_RDONLY)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     try:

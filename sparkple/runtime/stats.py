@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .atomicfile import write_text
-from .errors import SparkpleError
+from ..atomicfile import write_text
+from ..errors import SparkpleError
 
 FORMAT = "sparkple-ple-stats"
 VERSION = 1

@@ -2,7 +2,8 @@
 
 Headers are parsed once; tensor data is never loaded: callers get read-only numpy memmaps or
 absolute byte ranges to stream from. Anything malformed raises CheckpointError naming the
-file and, where there is one, the tensor.
+file and, where there is one, the tensor. Reading headers needs only the standard library (the
+serving plan does it with the host's python3); numpy comes in with the first memmap.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+from ..errors import CheckpointError
 
-from .errors import CheckpointError
+if TYPE_CHECKING:
+    import numpy as np
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # real headers are a few MiB at most
@@ -54,6 +57,8 @@ class TensorInfo:
 
     def memmap(self) -> np.ndarray:
         """A read-only view of the tensor's bytes (nothing is read until touched)."""
+        import numpy as np  # here: the serving plan reads headers with the standard library only
+
         np_dtype = np.dtype(DTYPES[self.dtype][1])
         if self.nbytes == 0:
             return np.empty(self.shape, dtype=np_dtype)
@@ -61,6 +66,8 @@ class TensorInfo:
 
     def read(self) -> np.ndarray:
         """A small tensor's values, read into memory (for scalars and hash buffers)."""
+        import numpy as np
+
         return np.array(self.memmap())
 
 

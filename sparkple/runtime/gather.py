@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .errors import TableError
+from ..errors import TableError
 
 if TYPE_CHECKING:
     from .rowshard import OwnedRows

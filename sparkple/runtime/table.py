@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import TableError
-from .geometry import PLEGeometry
+from ..errors import TableError
+from ..geometry import PLEGeometry
 from .pagecache import evict, resident_fraction, underlying_mmap
 from .tablemeta import TableMeta, read_meta
 

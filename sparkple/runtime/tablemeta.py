@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .errors import TableError
-from .geometry import PLEGeometry
+from ..errors import TableError
+from ..geometry import PLEGeometry
 
 META_NAME = "table.json"
 FORMAT_VERSION = 1

@@ -13,7 +13,7 @@ A step may also be filled in pieces, each at its own token offset of the step's 
     worker.gather_inline(seq, [(start, ids)])  # gathered now, on the calling thread
     rows = worker.wait(seq, tokens)            # every background piece of seq is in
 
-For each piece the thread computes the row ids (sparkple.ngram) where it was given tokens,
+For each piece the thread computes the row ids (sparkple.runtime.ngram) where it was given tokens,
 prefetches their pages, gathers the rows into the step's staging slot and then publishes the
 piece's ticket through the handshake. A slot is handed out again only after the device copy
 that read it last has completed (a CUDA event per slot), so a copy the stream has not run yet
@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import HandshakeError
+from ..errors import HandshakeError
+from ..geometry import PLEGeometry
 from .gather import gather_rows
-from .geometry import PLEGeometry
 from .handshake import DEFAULT_TIMEOUT_S, Publisher, SeqFlag, Waiter
 from .ngram import row_ids as compute_row_ids
 from .prefetch import Prefetcher, PrefetchStats
@@ -99,7 +99,7 @@ class GatherWorker:
     pin_memory: allocate staging as pinned host memory when torch has CUDA, so the GPU copy
       can be asynchronous (plain host memory without CUDA). Always on the CPU, whatever
       device context the caller constructs the worker in.
-    stats: counters and the handshake-wait histogram to record into (sparkple.stats), which
+    stats: counters and the handshake-wait histogram to record into (sparkple.runtime.stats), which
       the metrics exporter reads.
     owned: a tensor-parallel rank's rows: the others are staged as zeros, never read.
     """

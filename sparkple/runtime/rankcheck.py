@@ -14,7 +14,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from .errors import TableError
+from ..errors import TableError
 from .rowshard import OwnedRows, check_tiling
 from .tablemeta import TableMeta
 

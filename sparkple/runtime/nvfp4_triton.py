@@ -1,6 +1,6 @@
 """The forward's decode of packed PLE rows in one Triton pass, bit-identical to the torch path.
 
-`sparkple.nvfp4.dequantize_rows_torch` decodes a step's packed rows with table lookups through
+`nvfp4.dequantize_rows_torch` decodes a step's packed rows with table lookups through
 int64 index tensors and float32 intermediates (about 8 kernels and 14 times the bytes the
 result needs). This kernel reads each packed byte once and writes the model dtype directly:
 per output element, E2M1 value (from the same [256, 2] byte-pair table) x E4M3 block scale
@@ -94,7 +94,7 @@ def decode_packed_rows(
 
     nvfp4: the decoded values (E2M1 x block scale x global scale); fp8: the E4M3 values,
     exactly (the layer applies the per-tensor scale). tables: (byte pairs [256, 2], E4M3
-    [256]) as sparkple.nvfp4.torch_tables makes them, float32, on the rows' device.
+    [256]) as sparkple.runtime.nvfp4.torch_tables makes them, float32, on the rows' device.
     """
     import torch
 

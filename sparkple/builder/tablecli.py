@@ -9,18 +9,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .build import build_table
-from .errors import (
+from ..errors import (
     EXIT_CHECK_FAILED,
     EXIT_OK,
     EXIT_USAGE,
     SparkpleError,
 )
-from .safetensors_io import describe_oserror
-from .stream import DEFAULT_CHUNK_MIB, MAX_CHUNK_MIB
-from .tablemeta import (
+from ..runtime.tablemeta import (
     TableMeta,
 )
+from .build import build_table
+from .safetensors_io import describe_oserror
+from .stream import DEFAULT_CHUNK_MIB, MAX_CHUNK_MIB
 from .verify import DEFAULT_VERIFY_ROWS, inspect_table, verify_table
 
 
@@ -60,7 +60,7 @@ def add_parser(subparsers: Any, name: str) -> None:
         p.add_argument("--json", action="store_true", help="one JSON object on stdout")
         p.set_defaults(func=_run_inspect)
     else:
-        raise ValueError(f"sparkple.tablecli has no subcommand {name!r}")
+        raise ValueError(f"sparkple.builder.tablecli has no subcommand {name!r}")
 
 
 def _usage(msg: str) -> int:

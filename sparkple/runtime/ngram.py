@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .geometry import PLEGeometry
+from ..geometry import PLEGeometry
 
 if TYPE_CHECKING:
     import torch

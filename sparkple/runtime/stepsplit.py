@@ -11,7 +11,7 @@ of decoding requests, a prompt's tail slots past its prefill length) exist only 
 `split_step` plans the step from the host's own batch description; `host_pieces` and
 `device_pieces` turn each half into row-id pieces `(token offset, int64[T, num_heads])` that the
 gather writes at that offset of the step's staging slot. Row ids are computed per piece with
-`sparkple.ngram.row_ids` on a compact layout (each segment with its own context), which hashes
+`ngram.row_ids` on a compact layout (each segment with its own context), which hashes
 a token exactly as the whole batch would: a token's ids depend only on itself and the
 ngram_size - 1 tokens before it in its request.
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .geometry import PLEGeometry
+from ..geometry import PLEGeometry
 from .ngram import row_ids, window_row_ids
 
 
@@ -179,7 +179,9 @@ def plan_device(split: StepSplit, geometry: PLEGeometry) -> DevicePlan | None:
     span_base = split.num_reqs * context  # the span follows the context rows in the source
     host_base = span_base + span_end - span_start  # the host values follow the span
     host_of = {int(r): j for j, r in enumerate(split.host_reqs.tolist())}
-    layout, host_values, runs = [], [], []  # layout: per request, its window then its tokens
+    layout: list[np.ndarray] = []  # per request, its window then its tokens
+    host_values: list[np.ndarray] = []
+    runs: list[list[int]] = []
     positions, flat_len, host_len = [], 0, 0
     for i, start, end in zip(
         split.device_reqs.tolist(),

@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import (
+from ..errors import (
     CheckpointError,
 )
-from .geometry import RowFormat
+from ..geometry import RowFormat
 from .plan import Plan, Shard
 from .safetensors_io import TensorInfo, open_regular
 
@@ -100,21 +100,21 @@ def _fill(
     """Packed rows [start, start+n) of a shard, into out[:n]; returns their bytes."""
     f = plan.fmt
     if shard.scales is None:  # FP8: rows are already packed
-        view = memoryview(out[:n]).cast("B")
+        view = out[:n].data.cast("B")
         src.read(shard.codes, start * f.codes_width, view, drop=True)
         return view
     for first in range(0, n, stage.rows):
         k = min(stage.rows, n - first)
         row = start + first
-        src.read(shard.codes, row * f.codes_width, memoryview(stage.codes[:k]).cast("B"), True)
-        src.read(shard.scales, row * f.scales_width, memoryview(stage.scales[:k]).cast("B"))
+        src.read(shard.codes, row * f.codes_width, stage.codes[:k].data.cast("B"), True)
+        src.read(shard.scales, row * f.scales_width, stage.scales[:k].data.cast("B"))
         _copy_columns(out[first : first + k], 0, stage.codes, k)
         _copy_columns(out[first : first + k], f.codes_width, stage.scales, k)
     # Scales pages stay until the shard is done: the codes' readahead runs into them (they
     # follow the codes in the file), and dropping them early would read them twice.
     if start + n == shard.rows:
         src.drop(shard.scales)
-    return memoryview(out[:n]).cast("B")
+    return out[:n].data.cast("B")
 
 
 def _copy_columns(dst: np.ndarray, col: int, src: np.ndarray, n: int) -> None:

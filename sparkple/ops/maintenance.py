@@ -1,0 +1,78 @@
+"""The weekly maintenance relaunch (`supervisor relaunch`): drain, then stop and start under the
+supervisor's lock, so its loop never sees the service down; then wait for /health and ask for
+a real generation."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from .drain import drain
+from .host import run_command
+from .probe import Client, check_generation, read_env_file
+from .state import locked, manual_stop_path
+from .supervision import Supervisor, log
+
+
+def relaunch(sup: Supervisor) -> int:
+    """Drain, then stop and start in one locked step, so the loop never sees it down."""
+    st = sup.load()
+    if manual_stop_path(sup.state_dir).exists() or st["state"] in ("hold", "breaker-open"):
+        log(f"maintenance relaunch skipped: supervisor is {st['state']}")
+        return 0
+    if not sup.running():
+        log("maintenance relaunch skipped: the service is not running")
+        return 0
+    drained = drain(sup.args.drain_metrics_url, sup.args.drain_timeout_s, log)
+    with locked(sup.lock):
+        now = time.time()
+        st = sup.load()
+        stop = run_command(sup.args.stop_cmd, sup.values, timeout_s=sup.args.stop_timeout_s)
+        start = run_command(sup.args.start_cmd, sup.values, timeout_s=sup.args.start_timeout_s)
+        sup.record(
+            st,
+            now,
+            "maintenance-relaunch",
+            drained=drained,
+            stop_exit=stop.returncode,
+            start_exit=start.returncode,
+        )
+        if start.ok:
+            st.update(state="launched", launch_at=now, ready_at=None, healthy_since=None)
+        sup.save(st, now)
+    if not (stop.ok and start.ok):
+        return 1
+    return smoke(sup, now)
+
+
+def smoke(sup: Supervisor, launched: float) -> int:
+    """After a maintenance relaunch: wait for /health, then ask for a real generation."""
+    if not sup.args.url:
+        return 0
+    deadline = launched + sup.args.ready_timeout_s
+    while not sup.healthy() and time.time() < deadline:
+        time.sleep(min(sup.args.poll_s, max(0.0, deadline - time.time())))
+    ready = sup.healthy()
+    if ready:
+        ok, detail = check_generation(
+            client(sup.args), sup.args.model, sup.args.generation_timeout_s
+        )
+    else:
+        ok, detail = False, f"/health not 200 within {sup.args.ready_timeout_s:g} s"
+    with locked(sup.lock):
+        now = time.time()
+        st = sup.load()
+        sup.record(st, now, "maintenance-smoke", ok=ok, detail=detail)
+        sup.save(st, now)
+    if not ok:
+        sup.alerter.send(
+            "relaunch-smoke-failed", f"weekly relaunch: smoke generation failed: {detail}"
+        )
+    return 0 if ok else 1
+
+
+def client(args: argparse.Namespace) -> Client:
+    key = ""
+    if args.api_key_file:
+        key = read_env_file(args.api_key_file, args.api_key_var)
+    return Client(args.url, key)

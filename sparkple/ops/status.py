@@ -1,0 +1,102 @@
+"""The host's serving status in one report: the supervisor's, the watchdog's and the probe's
+state, the incidents of the last 24 h and the kernel's error counts (`supervisor status`, and
+the line of the supervisor's daily heartbeat)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from .host import KMSG, kernel_error_counts
+from .state import INCIDENT_KINDS, iso, manual_stop_path, read_json, read_markers
+
+
+def state_options() -> argparse.ArgumentParser:
+    """The flags of what the report reads (an argparse parent): the shared state directory,
+    the kernel log and the PLE table's device."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--state-dir", type=Path, required=True, help="markers and state (shared)")
+    p.add_argument("--kmsg", type=Path, default=KMSG, help="kernel log (Xid counts)")
+    p.add_argument(
+        "--table-dir", type=Path, help="the published PLE table (I/O errors on its device)"
+    )
+    p.add_argument("--table-device", default="", help="its block device; default: found")
+    return p
+
+
+def report(state_dir: Path, kmsg: Path, io_device: str = "") -> dict[str, Any]:
+    now = time.time()
+    sup = read_json(state_dir / "supervisor.json", None)
+    if not io_device and isinstance(sup, dict):
+        io_device = sup.get("table_device") or ""  # the one the supervisor's loop watches
+    return {
+        "manual_stop": manual_stop_path(state_dir).exists(),
+        "supervisor": read_json(state_dir / "supervisor.json", None),
+        "watchdog": read_json(state_dir / "watchdog.json", None),
+        "probe": read_json(state_dir / "probe.json", None),
+        "incidents_24h": [
+            {k: m.get(k) for k in ("kind", "time_iso", "reason", "path")}
+            for m in read_markers(state_dir, INCIDENT_KINDS, now - 86400)
+        ],
+        "kernel_errors": kernel_error_counts(kmsg, io_device),
+        "table_device": io_device or None,
+    }
+
+
+def kernel_line(errors: dict[str, int] | None, device: str | None = None) -> str:
+    if errors is None:
+        return "kernel log: unreadable"
+    line = f"kernel log: Xid {errors['xid']}, NV_ERR_NO_MEMORY {errors['nv_err_no_memory']}"
+    if "table_io" in errors:
+        line += f", table I/O errors {errors['table_io']} ({device})"
+    return line
+
+
+def one_line(rep: dict[str, Any]) -> str:
+    """The status in one line (the daily heartbeat's text)."""
+    sup = rep["supervisor"] or {}
+    probe = rep["probe"] or {}
+    wd = rep["watchdog"] or {}
+    return (
+        f"supervisor {sup.get('state', 'unknown')}"
+        + (" (manual stop)" if rep["manual_stop"] else "")
+        + f", probe {probe.get('last_result', 'unknown')}, incidents in 24 h "
+        f"{len(rep['incidents_24h'])}, MemAvailable "
+        f"{wd.get('mem_available_bytes', 0) // (1024 * 1024)} MiB, "
+        + kernel_line(rep["kernel_errors"], rep.get("table_device"))
+    )
+
+
+def status(state_dir: Path, as_json: bool, kmsg: Path, io_device: str = "") -> int:
+    rep = report(state_dir, kmsg, io_device)
+    if as_json:
+        print(json.dumps(rep, indent=2, sort_keys=True))
+        return 0
+    sup = rep["supervisor"] or {}
+    wd = rep["watchdog"] or {}
+    probe = rep["probe"] or {}
+    mib = 1024 * 1024
+    lines = [
+        f"supervisor: {sup.get('state', 'unknown')}"
+        + (f" (hold: {sup['hold_reason']})" if sup.get("hold_reason") else "")
+        + (" (manual stop)" if rep["manual_stop"] else ""),
+        f"  restarts in streak {sup.get('restarts', 0)}, failed launches "
+        f"{sup.get('launch_failures', 0)}, next attempt {iso_or_dash(sup.get('next_attempt_at'))}",
+        f"watchdog: MemAvailable {wd.get('mem_available_bytes', 0) // mib} MiB, MemFree "
+        f"{wd.get('mem_free_bytes', 0) // mib} MiB, trips {wd.get('trips', 0)}, "
+        f"updated {iso_or_dash(wd.get('updated'))}",
+        f"probe: {probe.get('last_result', 'unknown')}, consecutive failures "
+        f"{probe.get('consecutive_failures', 0)}, last ok {iso_or_dash(probe.get('last_ok'))}",
+        kernel_line(rep["kernel_errors"], rep.get("table_device")),
+        f"incidents in 24 h: {len(rep['incidents_24h'])}",
+    ]
+    lines += [f"  {m['time_iso']} {m['kind']}: {m['reason']}" for m in rep["incidents_24h"]]
+    print("\n".join(lines))
+    return 0
+
+
+def iso_or_dash(t: Any) -> str:
+    return iso(t) if isinstance(t, int | float) else "-"

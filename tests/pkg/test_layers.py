@@ -1,0 +1,134 @@
+"""The package's layers, read from the sources with ast: imports run one way between the
+subpackages, and each layer imports only what the Python that runs it has.
+
+  sparkple/*.py   the base (errors, geometry, meminfo, ...): imports no subpackage
+  runtime/        the PLE runtime in the serving process: the base
+  builder/        the table builder: the base and the runtime's table format and codec
+  serving/        the serving plan: the base and the builder's safetensors header reader
+  ops/            the host programs: the base and the runtime's stats and table metadata
+  patch/          the patch engine: the base
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "sparkple"
+SUBPACKAGES = ("builder", "ops", "patch", "runtime", "serving")
+BASE = ""
+# layer -> the layers it may import (besides itself)
+ALLOWED: dict[str, set[str]] = {
+    BASE: set(),
+    "runtime": {BASE},
+    "builder": {BASE, "runtime"},
+    "serving": {BASE, "builder"},
+    "ops": {BASE, "runtime"},
+    "patch": {BASE},
+}
+# layer -> the third-party packages its modules may import (anywhere in them); the runtime's
+# torch and triton are imported where a step needs them, never by `sparkple build-table`
+THIRD_PARTY: dict[str, set[str]] = {
+    BASE: {"huggingface_hub"},  # `sparkple snapshot-manifest`, imported when it runs
+    "runtime": {"numpy", "torch", "triton"},
+    "builder": {"numpy"},
+    "serving": set(),
+    "ops": set(),
+    "patch": {"jinja2", "yaml"},
+}
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 and parts[1] in SUBPACKAGES else BASE
+
+
+def imports(path: Path, root: Path = ROOT) -> list[str]:
+    """Every module `path` imports, anywhere in it, as an absolute name."""
+    package = list(path.relative_to(root).parts[:-1])  # for __init__.py: the package itself
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            base = ".".join(package[: len(package) - node.level + 1])
+            if node.module is None:  # `from .. import stats`: the names are modules
+                found += [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                found.append(f"{base}.{node.module}")
+        elif isinstance(node, ast.ImportFrom):
+            found.append(node.module or "")
+    return found
+
+
+def wrong_way(module: str, names: list[str]) -> list[str]:
+    """The sparkple modules among `names` that `module`'s layer may not import."""
+    layer = layer_of(module)
+    return sorted(
+        name
+        for name in names
+        if name.split(".")[0] == "sparkple"
+        and layer_of(name) != layer
+        and layer_of(name) not in ALLOWED[layer]
+    )
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts)
+
+
+def test_the_layers_are_found() -> None:
+    layers = {layer_of(module_name(p)) for p in MODULES}
+    assert layers == set(ALLOWED)
+    assert {p.parent.name for p in MODULES if p.parent != PACKAGE} == set(SUBPACKAGES)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: module_name(p))
+def test_imports_run_one_way(path: Path) -> None:
+    module = module_name(path)
+    wrong = wrong_way(module, imports(path))
+    assert not wrong, f"{module} ({layer_of(module) or 'base'}) imports {wrong}"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: module_name(p))
+def test_each_layer_imports_only_what_its_python_has(path: Path) -> None:
+    layer = layer_of(module_name(path))
+    foreign = sorted(
+        {
+            name.split(".")[0]
+            for name in imports(path)
+            if name.split(".")[0] not in sys.stdlib_module_names | {"sparkple", "__future__"}
+        }
+        - THIRD_PARTY[layer]
+    )
+    assert not foreign, f"{module_name(path)} ({layer or 'base'}) imports {foreign}"
+
+
+def test_the_checker_sees_a_wrong_way_import(tmp_path: Path) -> None:
+    """Relative imports resolve to the module they name, and an upward one is caught."""
+    runtime = tmp_path / "sparkple" / "runtime"
+    runtime.mkdir(parents=True)
+    (runtime / "bad.py").write_text(
+        "from .. import errors\nfrom ..builder.plan import Plan\nfrom .table import open_table\n"
+        "def later():\n    import sparkple.serving.recipe\n"
+    )
+    names = imports(runtime / "bad.py", tmp_path)
+    assert names == [
+        "sparkple.errors",
+        "sparkple.builder.plan",
+        "sparkple.runtime.table",
+        "sparkple.serving.recipe",
+    ]
+    assert wrong_way("sparkple.runtime.bad", names) == [
+        "sparkple.builder.plan",
+        "sparkple.serving.recipe",
+    ]
+    (runtime / "__init__.py").write_text("from .table import open_table\n")
+    assert imports(runtime / "__init__.py", tmp_path) == ["sparkple.runtime.table"]
