@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import http.server
 import json
 import subprocess
@@ -12,7 +11,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from ops_helpers import SHM, LabService, free_port
+from lab_inputs import free_port, patched_site
+from ops_helpers import SHM, LabService
 
 from sparkple.builder.build import build_table
 from sparkple.builder.plan import plan_build
@@ -26,17 +26,9 @@ def lab_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | int]:
     root = tmp_path_factory.mktemp("lab-server")
     snap = synth_checkpoint(root / "snap", vocab_base=4_000, files=1, seed=5)
     build_table(snap, root / "table", quiet=True)
-    vllm = root / "site" / "vllm"
-    vllm.mkdir(parents=True)
-    (vllm / "__init__.py").write_text("")
-    (vllm / "patched.py").write_text("# patched\n")
-    patches = root / "patches"
-    patches.mkdir()
-    digest = hashlib.sha256((vllm / "patched.py").read_bytes()).hexdigest()
-    manifest = {"files": [{"path": "patched.py", "patched_sha256": digest}]}
-    (patches / "manifest.json").write_text(json.dumps(manifest))
+    site, patches = patched_site(root)
     heads = plan_build(snap).geometry.num_heads
-    return {"snap": snap, "table": root / "table", "site": root / "site", "patches": patches,
+    return {"snap": snap, "table": root / "table", "site": site, "patches": patches,
             "heads": heads}  # fmt: skip
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -51,12 +50,6 @@ def watchdog_cmd(state: Path, *args: object, interval_s: float) -> list[str]:
         "--interval-s", interval_s,
         *args,
     )  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def service_cmd(command: str, directory: Path, *extra: object) -> str:

@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from ops_helpers import LAB, ROOT, alive, children, free_port, wait_for
+from lab_inputs import free_port
+from ops_helpers import LAB, ROOT, alive, children, wait_for
 
 ENGINE_TIMEOUT_S = 0.5
 

@@ -10,7 +10,6 @@ which is what the supervisor relaunches (with its backoff, then the hold).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import mmap
 import os
@@ -24,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from lab_inputs import free_port, patched_site
 
 from sparkple.runtime.tablemeta import read_meta
 
@@ -96,32 +96,15 @@ def test_a_read_fault_kills_the_gathering_process_at_once(faulty_table) -> None:
     print(f"the gather died of SIGBUS {took:.2f} s after it started")
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_lab_server_exits_nonzero_when_its_engine_hits_the_fault(
     built_table, faulty_table, tmp_path: Path
 ) -> None:
     """The engine gathers from the faulty table: it dies of SIGBUS, the request in flight gets
     an error answer (not a hang), and the front exits 1 for the supervisor to see."""
     mnt, _, _ = faulty_table
-    site = tmp_path / "site" / "vllm"
-    site.mkdir(parents=True)
-    (site / "__init__.py").write_text("")
-    (site / "patched.py").write_text("# patched\n")
-    patches = tmp_path / "patches"
-    patches.mkdir()
-    digest = hashlib.sha256(b"# patched\n").hexdigest()
-    (patches / "manifest.json").write_text(
-        json.dumps({"files": [{"path": "patched.py", "patched_sha256": digest}]})
-    )
+    site, patches = patched_site(tmp_path)
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path / 'site'}",
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{site}",
            "SPARKPLE_PLE_TABLE_DIR": str(mnt), "SPARKPLE_PATCH_DIR": str(patches),
            "SPARKPLE_LAB_ENGINE_TIMEOUT_S": "5"}  # fmt: skip
     log = tmp_path / "lab.log"
