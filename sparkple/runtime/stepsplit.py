@@ -8,12 +8,12 @@ every token at a position below the request's prefill length, other than a draft
 on the host before the step's device work has run. The rest (the sampled token and MTP drafts
 of decoding requests, a prompt's tail slots past its prefill length) exist only on the device.
 
-`split_step` plans the step from the host's own batch description; `host_pieces` and
-`device_pieces` turn each half into row-id pieces `(token offset, int64[T, num_heads])` that the
-gather writes at that offset of the step's staging slot. Row ids are computed per piece with
-`ngram.row_ids` on a compact layout (each segment with its own context), which hashes
-a token exactly as the whole batch would: a token's ids depend only on itself and the
-ngram_size - 1 tokens before it in its request.
+`split_step` plans the step from the host's own batch description; `host_pieces` (before the
+sync) and `plan_device` (before it) with `device_rows` (after it) turn each half into row-id
+pieces `(token offset, int64[T, num_heads])` that the gather writes at that offset of the step's
+staging slot. Row ids are computed on a compact layout (each segment with its own context),
+which hashes a token exactly as the whole batch would: a token's ids depend only on itself and
+the ngram_size - 1 tokens before it in its request.
 """
 
 from __future__ import annotations
@@ -233,29 +233,3 @@ def device_rows(
         out.append((start, rows[taken : taken + count]))
         taken += count
     return out
-
-
-def device_pieces(
-    split: StepSplit,
-    span: np.ndarray,
-    span_start: int,
-    ngram_context: np.ndarray,
-    geometry: PLEGeometry,
-) -> list[tuple[int, np.ndarray]]:
-    """Row ids of the tokens only the device had, from the copy of its tokens (the plan and
-    its fill in one call; the host step makes the plan before the sync).
-
-    span: the step's token ids [span_start, span_start + len) as copied from the device;
-    ngram_context: the device's per-request context [num_reqs, ngram_size - 1]. A request's
-    device tokens follow its prompt tokens of this step (if any), which extend the context.
-    Segments that are adjacent in the step come back as one piece (one gather).
-    """
-    plan = plan_device(split, geometry)
-    if plan is None:
-        return []
-    if span_start != plan.span_start:
-        raise ValueError(
-            f"the device's copy starts at token {span_start}, the step's device tokens at "
-            f"{plan.span_start}"
-        )
-    return device_rows(plan, span, ngram_context, geometry)

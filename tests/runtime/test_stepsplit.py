@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sparkple.runtime.ngram import row_ids
-from sparkple.runtime.stepsplit import device_pieces, host_pieces, split_step
+from sparkple.runtime.stepsplit import device_rows, host_pieces, plan_device, split_step
 from sparkple.runtime.table import open_table
 from sparkple.runtime.worker import GatherWorker
 
@@ -70,9 +70,11 @@ def staged(worker, seq, split, step, geometry):
     before the sync, the device's tokens gathered inline after it."""
     worker.open_step(seq)
     worker.submit_pieces(seq, host_pieces(split, geometry))
-    lo, hi = split.device_span()
-    span = step["input_ids"][lo:hi]
-    worker.gather_inline(seq, device_pieces(split, span, lo, step["ctx"], geometry))
+    plan = plan_device(split, geometry)  # before the sync
+    if plan is not None:
+        lo, hi = split.device_span()
+        span = step["input_ids"][lo:hi]
+        worker.gather_inline(seq, device_rows(plan, span, step["ctx"], geometry))
     rows = worker.wait(seq, 30, tokens=split.num_real).copy()
     worker.release(seq)
     return rows
