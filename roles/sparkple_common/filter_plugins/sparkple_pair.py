@@ -1,0 +1,47 @@
+"""sparkple_pair: this host's side of its pair (sparkple.serving.pair), {} for a single Spark.
+
+    sparkple_pair_info: "{{ hostvars | sparkple_pair(inventory_hostname, groups['all']) }}"
+
+Every pair of the inventory is checked, so a half-described pair fails on every host with the
+host and the variable to fix. The package is this checkout's, the one sparkple_package installs.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ansible.errors import AnsibleFilterError
+
+CHECKOUT = Path(__file__).resolve().parents[3]
+PAIR_VARS = (
+    "sparkple_pair",
+    "sparkple_pair_rank",
+    "sparkple_pair_link_address",
+    "sparkple_pair_link_interface",
+    "sparkple_pair_ib_hca",
+    "sparkple_pair_ib_gid_index",
+    "sparkple_pair_master_port",
+)
+
+
+def sparkple_pair(hostvars: Mapping[str, Any], host: str, hosts: Iterable[str]) -> dict[str, Any]:
+    if str(CHECKOUT) not in sys.path:
+        sys.path.insert(0, str(CHECKOUT))
+    from sparkple.errors import SparkpleError
+    from sparkple.serving.pair import pair_of
+
+    described = {h: {k: hostvars[h][k] for k in PAIR_VARS if k in hostvars[h]} for h in hosts}
+    described.setdefault(host, {k: hostvars[host][k] for k in PAIR_VARS if k in hostvars[host]})
+    try:
+        pair = pair_of(described, host)
+    except SparkpleError as exc:
+        raise AnsibleFilterError(str(exc)) from None
+    return pair.describe(host) if pair else {}
+
+
+class FilterModule:
+    def filters(self) -> dict:
+        return {"sparkple_pair": sparkple_pair}

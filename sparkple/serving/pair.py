@@ -1,0 +1,195 @@
+"""A pair: two Sparks serving one model at tensor parallelism 2 on vLLM's multi-node mp engine.
+
+The inventory names a pair on each of its two hosts (`sparkple_pair`, the same name on both)
+with the host's rank (0: the head, which serves the API; 1: the worker, `--headless`) and its
+side of the link between them (address, interface, RDMA device, GID index). From those come the
+multi-node flags of `vllm serve`, the NCCL/Gloo environment of each node, and which host is the
+other's peer. Every mistake in that description is refused here with the host and the variable
+to fix, before anything starts.
+
+Standard library only: the roles' filter plugin and the host programs import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .recipe import ServingError
+
+TP_SIZE = 2
+HEAD, WORKER = 0, 1
+DEFAULT_MASTER_PORT = 29501
+DEFAULT_GID_INDEX = 3
+
+# The flags a pair adds to `vllm serve` (flag -> how vLLM reads it; None: a switch).
+PAIR_FLAGS: dict[str, Any] = {
+    "--tensor-parallel-size": int,
+    "--nnodes": int,
+    "--node-rank": int,
+    "--master-addr": str,
+    "--master-port": int,
+    "--headless": None,
+}
+
+
+@dataclass(frozen=True)
+class PairNode:
+    """One side of the pair, as the inventory describes it."""
+
+    host: str
+    rank: int
+    link_address: str
+    link_interface: str
+    ib_hca: str
+    ib_gid_index: int
+
+
+@dataclass(frozen=True)
+class Pair:
+    name: str
+    head: PairNode
+    worker: PairNode
+    master_port: int
+
+    def node(self, host: str) -> PairNode:
+        for node in (self.head, self.worker):
+            if node.host == host:
+                return node
+        raise ServingError(f"{host} is not a node of pair {self.name}")
+
+    def peer(self, host: str) -> PairNode:
+        return self.worker if self.node(host).rank == HEAD else self.head
+
+    def vllm_args(self, host: str) -> list[str]:
+        """The multi-node words of this host's `vllm serve` (the recipe's own flags besides)."""
+        node = self.node(host)
+        args = [
+            f"--tensor-parallel-size={TP_SIZE}",
+            f"--nnodes={TP_SIZE}",
+            f"--node-rank={node.rank}",
+            f"--master-addr={self.head.link_address}",
+            f"--master-port={self.master_port}",
+        ]
+        return args + (["--headless"] if node.rank == WORKER else [])
+
+    def env(self, host: str) -> dict[str, str]:
+        """The environment of this host's engine: its own link address (the address vLLM's
+        workers announce) and its own side of the link for NCCL and Gloo."""
+        node = self.node(host)
+        return {
+            "VLLM_HOST_IP": node.link_address,
+            "NCCL_SOCKET_IFNAME": node.link_interface,
+            "GLOO_SOCKET_IFNAME": node.link_interface,
+            "NCCL_IB_HCA": node.ib_hca,
+            "NCCL_IB_GID_INDEX": str(node.ib_gid_index),
+        }
+
+    def describe(self, host: str) -> dict[str, Any]:
+        """What a role needs of the pair from this host's side (JSON-friendly)."""
+        node, peer = self.node(host), self.peer(host)
+        return {
+            "name": self.name,
+            "rank": node.rank,
+            "role": "head" if node.rank == HEAD else "worker",
+            "head": self.head.host,
+            "worker": self.worker.host,
+            "peer": peer.host,
+            "peer_address": peer.link_address,
+            "master_port": self.master_port,
+            "node": asdict(node),
+            "vllm_args": self.vllm_args(host),
+            "env": self.env(host),
+        }
+
+
+def _node(host: str, hv: Mapping[str, Any]) -> PairNode:
+    def need(var: str) -> str:
+        value = hv.get(var, "")
+        if not isinstance(value, str) or not value.strip():
+            raise ServingError(
+                f"{host} is in pair {hv.get('sparkple_pair')!r} but {var} is not set: "
+                "set it in the host's inventory vars (see README, Two Sparks)"
+            )
+        return value.strip()
+
+    def integer(var: str, default: int) -> int:
+        value = hv.get(var, default)
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ServingError(f"{host}: {var} is {value!r}: use a whole number") from None
+
+    rank = integer("sparkple_pair_rank", -1)
+    if rank not in (HEAD, WORKER):
+        raise ServingError(
+            f"{host}: sparkple_pair_rank is {hv.get('sparkple_pair_rank')!r}: "
+            "use 0 on the head (serves the API) and 1 on the worker"
+        )
+    gid = integer("sparkple_pair_ib_gid_index", DEFAULT_GID_INDEX)
+    if gid < 0:
+        raise ServingError(f"{host}: sparkple_pair_ib_gid_index is {gid}: use 0 or more")
+    return PairNode(
+        host=host,
+        rank=rank,
+        link_address=need("sparkple_pair_link_address"),
+        link_interface=need("sparkple_pair_link_interface"),
+        ib_hca=need("sparkple_pair_ib_hca"),
+        ib_gid_index=gid,
+    )
+
+
+def pairs_of(hostvars: Mapping[str, Mapping[str, Any]]) -> dict[str, Pair]:
+    """Every pair the inventory names (host -> its vars), checked; single Sparks are left out."""
+    members: dict[str, list[str]] = {}
+    for host, hv in hostvars.items():
+        name = hv.get("sparkple_pair") or ""
+        if not isinstance(name, str):
+            raise ServingError(f"{host}: sparkple_pair is {name!r}: use the pair's name")
+        if name:
+            members.setdefault(name, []).append(host)
+    pairs = {}
+    for name, hosts in sorted(members.items()):
+        if len(hosts) != TP_SIZE:
+            raise ServingError(
+                f"pair {name} has {len(hosts)} host(s) ({', '.join(sorted(hosts))}): a pair is "
+                "two Sparks; set sparkple_pair on exactly two hosts"
+            )
+        nodes = sorted((_node(h, hostvars[h]) for h in hosts), key=lambda n: n.rank)
+        if [n.rank for n in nodes] != [HEAD, WORKER]:
+            raise ServingError(
+                f"pair {name}: {nodes[0].host} and {nodes[1].host} both have "
+                f"sparkple_pair_rank {nodes[0].rank}: one is 0 (the head), the other 1"
+            )
+        head, worker = nodes
+        if head.link_address == worker.link_address:
+            raise ServingError(
+                f"pair {name}: {head.host} and {worker.host} have the same "
+                f"sparkple_pair_link_address {head.link_address}: each is its own node's address"
+            )
+        port_value = hostvars[head.host].get("sparkple_pair_master_port", DEFAULT_MASTER_PORT)
+        ports = {
+            str(hostvars[h].get("sparkple_pair_master_port", DEFAULT_MASTER_PORT)) for h in hosts
+        }
+        if len(ports) != 1:
+            raise ServingError(
+                f"pair {name}: sparkple_pair_master_port differs between {head.host} and "
+                f"{worker.host} ({', '.join(sorted(ports))}): both use the head's rendezvous port"
+            )
+        try:
+            port = int(port_value)
+        except (TypeError, ValueError):
+            port = 0
+        if not 1 <= port <= 65535:
+            raise ServingError(
+                f"pair {name}: sparkple_pair_master_port is {port_value!r}: use a TCP port"
+            )
+        pairs[name] = Pair(name=name, head=head, worker=worker, master_port=port)
+    return pairs
+
+
+def pair_of(hostvars: Mapping[str, Mapping[str, Any]], host: str) -> Pair | None:
+    """The pair `host` belongs to, or None for a single Spark."""
+    name = hostvars[host].get("sparkple_pair") or ""
+    return pairs_of(hostvars)[name] if name else None

@@ -1,0 +1,131 @@
+"""The pair description (sparkple.serving.pair) and the roles' sparkple_pair_info, through a
+real ansible-playbook run on an inventory that names a pair."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparkple.serving.pair import pair_of, pairs_of
+from sparkple.serving.recipe import ServingError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def node(rank: int, address: str, hca: str = "rocep1s0f1", **more: object) -> dict[str, object]:
+    return {
+        "sparkple_pair": "p1",
+        "sparkple_pair_rank": rank,
+        "sparkple_pair_link_address": address,
+        "sparkple_pair_link_interface": "enp1s0f1np1",
+        "sparkple_pair_ib_hca": hca,
+        **more,
+    }
+
+
+def inventory() -> dict[str, dict[str, object]]:
+    return {
+        "spark-a": node(0, "192.168.100.10"),
+        "spark-b": node(1, "192.168.100.11", hca="roceP2p1s0f1", sparkple_pair_ib_gid_index=1),
+        "spark-c": {},
+    }
+
+
+def test_a_pair_gives_each_node_its_flags_and_its_own_link() -> None:
+    hosts = inventory()
+    pair = pair_of(hosts, "spark-b")
+    assert pair is not None and pair_of(hosts, "spark-c") is None
+    assert (pair.head.host, pair.worker.host, pair.master_port) == ("spark-a", "spark-b", 29501)
+    common = ["--tensor-parallel-size=2", "--nnodes=2"]
+    rendezvous = ["--master-addr=192.168.100.10", "--master-port=29501"]
+    assert pair.vllm_args("spark-a") == [*common, "--node-rank=0", *rendezvous]
+    assert pair.vllm_args("spark-b") == [*common, "--node-rank=1", *rendezvous, "--headless"]
+    assert pair.env("spark-a")["VLLM_HOST_IP"] == "192.168.100.10"
+    worker_env = pair.env("spark-b")
+    assert worker_env == {
+        "VLLM_HOST_IP": "192.168.100.11",
+        "NCCL_SOCKET_IFNAME": "enp1s0f1np1",
+        "GLOO_SOCKET_IFNAME": "enp1s0f1np1",
+        "NCCL_IB_HCA": "roceP2p1s0f1",
+        "NCCL_IB_GID_INDEX": "1",
+    }
+    assert pair.describe("spark-a")["peer"] == "spark-b"
+    assert pair.describe("spark-b")["role"] == "worker"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"spark-b": None}, "pair p1 has 1 host(s) (spark-a)"),
+        ({"spark-c": node(1, "192.168.100.12")}, "pair p1 has 3 host(s)"),
+        ({"spark-b": node(0, "192.168.100.11")}, "both have sparkple_pair_rank 0"),
+        ({"spark-b": node(2, "192.168.100.11")}, "spark-b: sparkple_pair_rank is 2"),
+        ({"spark-b": node(1, "")}, "spark-b is in pair 'p1' but sparkple_pair_link_address"),
+        ({"spark-b": node(1, "192.168.100.10")}, "the same sparkple_pair_link_address"),
+        (
+            {"spark-b": node(1, "192.168.100.11", sparkple_pair_master_port=29600)},
+            "sparkple_pair_master_port differs between spark-a and spark-b",
+        ),
+        (
+            {"spark-b": node(1, "192.168.100.11", sparkple_pair_ib_gid_index="x")},
+            "spark-b: sparkple_pair_ib_gid_index is 'x'",
+        ),
+    ],
+)
+def test_a_pair_described_wrong_is_refused_naming_host_and_variable(
+    change: dict[str, dict[str, object] | None], message: str
+) -> None:
+    hosts = inventory()
+    for host, hv in change.items():
+        if hv is None:
+            del hosts[host]
+        else:
+            hosts[host] = hv
+    with pytest.raises(ServingError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        pairs_of(hosts)
+
+
+def test_the_roles_see_each_hosts_side_of_its_pair(tmp_path: Path) -> None:
+    exe = Path(sys.executable).parent / "ansible-playbook"
+    found = str(exe) if exe.exists() else shutil.which("ansible-playbook")
+    if not found:
+        pytest.skip("ansible-playbook is not installed (run .ci/setup-venv)")
+    hosts = inventory()
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    (tmp_path / "hosts.json").write_text(
+        json.dumps({"sparks": {"hosts": {h: {**hv, **local} for h, hv in hosts.items()}}})
+    )
+    (tmp_path / "play.yml").write_text(
+        "- hosts: sparks\n  gather_facts: false\n  roles: [sparkple_common]\n  tasks:\n"
+        "    - ansible.builtin.copy:\n        content: '{{ sparkple_pair_info | to_json }}'\n"
+        "        dest: '{{ playbook_dir }}/{{ inventory_hostname }}.json'\n"
+    )
+    env = dict(os.environ, ANSIBLE_ROLES_PATH=str(ROOT / "roles"))
+    env.pop("ANSIBLE_CONFIG", None)
+    run = subprocess.run(
+        [found, "-i", "hosts.json", "play.yml"], cwd=tmp_path, env=env, capture_output=True,
+        text=True, timeout=180,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    seen = {h: json.loads((tmp_path / f"{h}.json").read_text()) for h in hosts}
+    assert seen["spark-c"] == {}
+    assert (seen["spark-a"]["role"], seen["spark-a"]["peer"]) == ("head", "spark-b")
+    assert seen["spark-b"]["vllm_args"][-1] == "--headless"
+    assert seen["spark-b"]["env"]["NCCL_IB_HCA"] == "roceP2p1s0f1"
+
+    hosts["spark-b"]["sparkple_pair_rank"] = 0
+    (tmp_path / "hosts.json").write_text(
+        json.dumps({"sparks": {"hosts": {h: {**hv, **local} for h, hv in hosts.items()}}})
+    )
+    run = subprocess.run(
+        [found, "-i", "hosts.json", "play.yml"], cwd=tmp_path, env=env, capture_output=True,
+        text=True, timeout=180,
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert "spark-a and spark-b both have sparkple_pair_rank 0" in run.stdout + run.stderr
