@@ -32,6 +32,32 @@ otherwise after it was ready makes the front exit 1, so that the supervisor sees
 It answers `/v1/models`, `/v1/completions` and `/v1/chat/completions` in the shape vLLM's
 OpenAI server answers them (a request for another model name is a 404, as in vLLM).
 
+A pair (two Sparks at TP 2, sparkple.serving.pair) is `--tensor-parallel-size 2 --nnodes 2`
+with `--node-rank 0` on the head and `--node-rank 1 --headless` on the worker, both with
+`--master-addr` and `--master-port` (vLLM's defaults 127.0.0.1 and 29501); any other
+multi-node set-up is refused (exit 2). Modelled on vLLM 0.33.0's multiproc executor across
+two nodes (docs/tensor-parallel.md; the link itself is lab_pair.py):
+- the head's engine listens on --master-port (all addresses) for its worker once its table is
+  open. /health answers 503 "waiting for node 1 of the pair at <addr>:<port>" until the worker
+  joined, then 200 while it stays connected; a second worker is refused. When the worker goes
+  (its connection closes, or its heartbeat stops for a second: a SIGSTOPped worker), /health
+  answers 503 and generations fail at once, and the engine exits 1 after
+  SPARKPLE_LAB_PEER_TIMEOUT_S, so the front exits 1: vLLM's head notices only when a step needs
+  the worker, its engine core dies once the step's RPC times out
+  (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300 s: envs.py:1863-1865, multiproc_executor.py:414),
+  and its API server then exits (entrypoints/launchers/launcher.py:325-337). Unlike vLLM,
+  whose /health stays 200 until then (entrypoints/serve/instrumentator/health.py:30), the lab
+  says 503 at once.
+- the worker serves no HTTP (vLLM's headless node runs only its executor,
+  entrypoints/cli/serve.py:218-233): one process that opens its table, joins the head (retrying
+  until SPARKPLE_LAB_JOIN_TIMEOUT_S, then exit 1) and, when the head goes, stays up: vLLM's
+  worker waits for the next step with no timeout (v1/executor/multiproc_executor.py:1159) and
+  nothing on its node watches the head. It never joins another head (restart it); SIGTERM
+  stops it (exit 0).
+- on joining, the two exchange their table's fingerprint and fields and their config.json's
+  sha256: a difference makes both exit 1 with a message naming both nodes and what differs,
+  as the real patch's rank check does (sparkple/runtime/rankcheck.py).
+
 Its command line is the subset of `vllm serve`'s that the service's unit passes (ACCEPTED_FLAGS
 of the serving recipe, sparkple.serving.recipe; tests/vllm checks each flag against vLLM
 0.33.0's own parser): anything else is refused like vLLM refuses an unknown argument (exit 2),
@@ -41,7 +67,10 @@ SPARKPLE_LAB_ENGINE_TIMEOUT_S, the bound on each reply of the engine (seconds, d
 SPARKPLE_LAB_TOKEN_DELAY_S, the time the engine takes per token (seconds, default 0), so that a
 generation can last as long as a real one, and SPARKPLE_LAB_HEALTH_FAIL_FILE, a path: while a
 file is there, /health answers 503 as vLLM's does once its engine core died (the operations
-tests turn it on and off under a running server).
+tests turn it on and off under a running server). A pair's: SPARKPLE_LAB_PEER_TIMEOUT_S, how
+long a head's engine lives on after its worker went (seconds, default 2; vLLM's step timeout),
+and SPARKPLE_LAB_JOIN_TIMEOUT_S, how long a worker tries to reach its head (seconds, default
+600).
 """
 
 from __future__ import annotations
@@ -62,11 +91,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from lab_metrics import ServingMetrics  # beside this file, as in the lab images
@@ -104,9 +132,10 @@ DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT = "127.0.0.1", 29501
 
 
-@dataclass(frozen=True)
-class PairSide:
-    """This node's place in a pair (from the multi-node flags) and the lab's bounds on it."""
+class PairSide(NamedTuple):
+    """This node's place in a pair (from the multi-node flags) and the lab's bounds on it.
+    (Not a dataclass: tests/vllm loads this script under another name, unregistered, where a
+    dataclass cannot resolve its annotations.)"""
 
     rank: int
     master_addr: str

@@ -211,6 +211,17 @@ def test_nodes_with_different_tables_both_refuse_naming_both(
         assert differ == "global_scale, source", out
 
 
+def test_either_side_waiting_for_the_other_stops_cleanly(start_node) -> None:
+    head = start_node(HEAD)
+    wait_for(lambda: "waiting for node 1" in head.output(), 30, "the head waiting")
+    head.proc.send_signal(signal.SIGTERM)
+    assert head.proc.wait(10) == 0
+    worker = start_node(WORKER)  # its head is gone: it retries
+    wait_for(lambda: "waiting for the head at" in worker.output(), 30, "the worker retrying")
+    worker.proc.send_signal(signal.SIGTERM)
+    assert worker.proc.wait(10) == 0
+
+
 def test_a_worker_without_its_head_gives_up_after_the_join_timeout(start_node) -> None:
     worker = start_node(WORKER, env={"SPARKPLE_LAB_JOIN_TIMEOUT_S": "1"})
     assert worker.proc.wait(30) == 1
