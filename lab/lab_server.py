@@ -359,7 +359,9 @@ def take_worker(
         ready.send({"refused": str(exc)})
         sys.exit(1)
     log(f"node 1 joined: {link.describe()}")
-    refuse_others(listener, lambda: f"its node 1 is {link.describe()}; a pair has one worker")
+    refuse_others(
+        listener, lambda: engine.dead or f"its node 1 is {link.describe()}; a pair has one worker"
+    )
     ready.send({"patches": patches, "peer": link.describe()})
 
     def lost(why: str) -> None:
