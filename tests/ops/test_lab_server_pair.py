@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -125,6 +126,8 @@ def test_head_is_healthy_only_once_its_worker_joined(start_node) -> None:
         time.sleep(0.2)
     assert body["error"] == f"waiting for node 1 of the pair at {rendezvous}"
     assert complete(head.port)[0] == 503
+    with urllib.request.urlopen(f"http://127.0.0.1:{head.port}/metrics", timeout=5) as r:
+        assert r.status == 200 and b"vllm:num_requests_running" in r.read()  # as on one Spark
     worker = start_node(WORKER)
     wait_for(lambda: health(head.port) == 200, 30, "the head healthy with its worker")
     code, reply = complete(head.port, 8)
