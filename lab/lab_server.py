@@ -32,6 +32,32 @@ otherwise after it was ready makes the front exit 1, so that the supervisor sees
 It answers `/v1/models`, `/v1/completions` and `/v1/chat/completions` in the shape vLLM's
 OpenAI server answers them (a request for another model name is a 404, as in vLLM).
 
+A pair (two Sparks at TP 2, sparkple.serving.pair) is `--tensor-parallel-size 2 --nnodes 2`
+with `--node-rank 0` on the head and `--node-rank 1 --headless` on the worker, both with
+`--master-addr` and `--master-port` (vLLM's defaults 127.0.0.1 and 29501); any other
+multi-node set-up is refused (exit 2). Modelled on vLLM 0.33.0's multiproc executor across
+two nodes (docs/tensor-parallel.md; the link itself is lab_pair.py):
+- the head's engine listens on --master-port (all addresses) for its worker once its table is
+  open. /health answers 503 "waiting for node 1 of the pair at <addr>:<port>" until the worker
+  joined, then 200 while it stays connected; a second worker is refused. When the worker goes
+  (its connection closes, or its heartbeat stops for a second: a SIGSTOPped worker), /health
+  answers 503 and generations fail at once, and the engine exits 1 after
+  SPARKPLE_LAB_PEER_TIMEOUT_S, so the front exits 1: vLLM's head notices only when a step needs
+  the worker, its engine core dies once the step's RPC times out
+  (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300 s: envs.py:1863-1865, multiproc_executor.py:414),
+  and its API server then exits (entrypoints/launchers/launcher.py:325-337). Unlike vLLM,
+  whose /health stays 200 until then (entrypoints/serve/instrumentator/health.py:30), the lab
+  says 503 at once.
+- the worker serves no HTTP (vLLM's headless node runs only its executor,
+  entrypoints/cli/serve.py:218-233): one process that opens its table, joins the head (retrying
+  until SPARKPLE_LAB_JOIN_TIMEOUT_S, then exit 1) and, when the head goes, stays up: vLLM's
+  worker waits for the next step with no timeout (v1/executor/multiproc_executor.py:1159) and
+  nothing on its node watches the head. It never joins another head (restart it); SIGTERM
+  stops it (exit 0).
+- on joining, the two exchange their table's fingerprint and fields and their config.json's
+  sha256: a difference makes both exit 1 with a message naming both nodes and what differs,
+  as the real patch's rank check does (sparkple/runtime/rankcheck.py).
+
 Its command line is the subset of `vllm serve`'s that the service's unit passes (ACCEPTED_FLAGS
 of the serving recipe, sparkple.serving.recipe; tests/vllm checks each flag against vLLM
 0.33.0's own parser): anything else is refused like vLLM refuses an unknown argument (exit 2),
@@ -41,7 +67,10 @@ SPARKPLE_LAB_ENGINE_TIMEOUT_S, the bound on each reply of the engine (seconds, d
 SPARKPLE_LAB_TOKEN_DELAY_S, the time the engine takes per token (seconds, default 0), so that a
 generation can last as long as a real one, and SPARKPLE_LAB_HEALTH_FAIL_FILE, a path: while a
 file is there, /health answers 503 as vLLM's does once its engine core died (the operations
-tests turn it on and off under a running server).
+tests turn it on and off under a running server). A pair's: SPARKPLE_LAB_PEER_TIMEOUT_S, how
+long a head's engine lives on after its worker went (seconds, default 2; vLLM's step timeout),
+and SPARKPLE_LAB_JOIN_TIMEOUT_S, how long a worker tries to reach its head (seconds, default
+600).
 """
 
 from __future__ import annotations
@@ -65,10 +94,20 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from lab_metrics import ServingMetrics  # beside this file, as in the lab images
+from lab_pair import (
+    WORKER,
+    Link,
+    PairRefused,
+    accept_worker,
+    hello,
+    join_head,
+    listen,
+    refuse_others,
+)
 
 from sparkple.errors import SparkpleError
 from sparkple.geometry import PLEGeometry
@@ -78,6 +117,7 @@ from sparkple.runtime.nvfp4 import dequantize_rows
 from sparkple.runtime.stats import PLEStats, StatsFile
 from sparkple.runtime.table import PackedTable, open_table
 from sparkple.runtime.tablemeta import read_meta
+from sparkple.serving.pair import PAIR_FLAGS  # the multi-node flags a pair adds
 from sparkple.serving.recipe import ACCEPTED_FLAGS  # the flags the serving plan may write
 
 # The patch output directory the service mounts read-only next to the patched files.
@@ -88,6 +128,24 @@ ENGINE_STOP_GRACE_S = 5.0
 STATS_INTERVAL_S = 5.0
 # vLLM's default --max-num-seqs (the requests the scheduler runs at once).
 DEFAULT_MAX_NUM_SEQS = 256
+# vLLM's defaults for the rendezvous of a multi-node engine (config/parallel.py, ParallelConfig).
+DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT = "127.0.0.1", 29501
+
+
+class PairSide(NamedTuple):
+    """This node's place in a pair (from the multi-node flags) and the lab's bounds on it.
+    (Not a dataclass: tests/vllm loads this script under another name, unregistered, where a
+    dataclass cannot resolve its annotations.)"""
+
+    rank: int
+    master_addr: str
+    master_port: int
+    peer_timeout_s: float  # the head's engine dies this long after its worker went
+    join_timeout_s: float  # the worker gives up reaching its head after this long
+
+    @property
+    def rendezvous(self) -> str:
+        return f"{self.master_addr}:{self.master_port}"
 
 
 def vllm_dir() -> Path:
@@ -136,6 +194,8 @@ class Engine:
             expect={"total_rows": g.total_rows, "num_heads": g.num_heads, "head_dim": g.head_dim},
         )
         self.rows_gathered = 0
+        # why the engine core is dead (a pair's head whose worker went), "" while it is not
+        self.dead = ""
         # the backend's counters, in the stats file the metrics exporter reads (when the unit
         # names a stats directory, as the serving unit does for vLLM)
         self.stats = PLEStats()
@@ -151,6 +211,8 @@ class Engine:
         ctx = np.full((1, g.ngram_size - 1), g.eos_token_id, dtype=np.int64)
         staging = np.empty((1, g.num_heads, meta.row_width), dtype=np.uint8)
         for _ in range(max_tokens):
+            if self.dead:  # the step would need the other node
+                raise SparkpleError(self.dead)
             ids = np.asarray(tokens, dtype=np.int64)
             qsl = np.asarray([0, ids.size], dtype=np.int64)
             rid = row_ids(ids, qsl, ctx, g)[-1:]  # the last token's rows
@@ -191,6 +253,7 @@ class EngineServer(socketserver.ThreadingUnixStreamServer):
     def __init__(self, path: str, engine: Engine, token_delay_s: float) -> None:
         self.engine = engine
         self.token_delay_s = token_delay_s
+        self.exit_code = 0  # the engine process's, once serving stops
         super().__init__(path, EngineHandler)
 
 
@@ -235,21 +298,82 @@ class EngineHandler(BaseHTTPRequestHandler):
             self.line({"error": f"engine: {type(exc).__name__}: {exc}"})
 
 
-def engine_main(model_dir: Path, socket_path: str, ready: Connection, token_delay_s: float) -> None:
-    """The engine process: check the patches, open the table, tell the front, serve."""
+def table_dir_from_env() -> Path:
+    table_dir = os.environ.get("SPARKPLE_PLE_TABLE_DIR", "")
+    if not table_dir:
+        raise SparkpleError("SPARKPLE_PLE_TABLE_DIR is not set")
+    return Path(table_dir)
+
+
+def engine_main(
+    model_dir: Path,
+    socket_path: str,
+    ready: Connection,
+    token_delay_s: float,
+    pair: PairSide | None = None,
+) -> None:
+    """The engine process: check the patches, open the table, (a pair's head: take its worker,)
+    tell the front, serve."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         patches = check_patches()
-        table_dir = os.environ.get("SPARKPLE_PLE_TABLE_DIR", "")
-        if not table_dir:
-            raise SparkpleError("SPARKPLE_PLE_TABLE_DIR is not set")
-        server = EngineServer(socket_path, Engine(model_dir, Path(table_dir)), token_delay_s)
+        table_dir = table_dir_from_env()
+        engine = Engine(model_dir, table_dir)
+        server = EngineServer(socket_path, engine, token_delay_s)
     except (SparkpleError, OSError, KeyError, ValueError) as exc:
         ready.send({"problem": f"{type(exc).__name__}: {exc}"})
         sys.exit(1)
     log(f"engine (pid {os.getpid()}): {patches}; table {table_dir} open")
-    ready.send({"patches": patches})
+    if pair is None:
+        ready.send({"patches": patches})
+    else:
+        own = hello(pair.rank, model_dir, table_dir, engine.table.meta)
+        take_worker(engine, server, ready, pair, own, patches)
     server.serve_forever()
+    sys.exit(server.exit_code)
+
+
+def take_worker(
+    engine: Engine,
+    server: EngineServer,
+    ready: Connection,
+    pair: PairSide,
+    own: dict[str, Any],
+    patches: str,
+) -> Link:
+    """A pair's head: wait for node 1 at --master-port, then watch it. vLLM's head notices a
+    lost worker only when a step needs it, and its engine core dies once the step's RPC times
+    out (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS; docs/tensor-parallel.md); the lab's engine fails
+    every step at once and exits 1 after SPARKPLE_LAB_PEER_TIMEOUT_S."""
+    try:
+        listener = listen(pair.master_port)
+    except OSError as exc:
+        ready.send({"problem": f"cannot listen on --master-port {pair.master_port}: {exc}"})
+        sys.exit(1)
+    waiting = f"waiting for node 1 of the pair at {pair.rendezvous}"
+    log(waiting)
+    ready.send({"waiting": waiting})
+    try:
+        link = accept_worker(listener, own)
+    except PairRefused as exc:
+        ready.send({"refused": str(exc)})
+        sys.exit(1)
+    log(f"node 1 joined: {link.describe()}")
+    refuse_others(
+        listener, lambda: engine.dead or f"its node 1 is {link.describe()}; a pair has one worker"
+    )
+    ready.send({"patches": patches, "peer": link.describe()})
+
+    def lost(why: str) -> None:
+        engine.dead = f"the pair's {link.describe()} is gone ({why}): the engine core is dead"
+        log(f"{engine.dead}; exiting in {pair.peer_timeout_s} s")
+        ready.send({"lost": engine.dead})
+        time.sleep(pair.peer_timeout_s)  # the step's RPC timeout, then the engine core dies
+        server.exit_code = 1
+        server.shutdown()
+
+    link.watch(lost)
+    return link
 
 
 # --- the API front --------------------------------------------------------------------------
@@ -577,18 +701,38 @@ def wait_for_exit(state: State, engine: multiprocessing.process.BaseProcess) -> 
 def watch_engine(
     state: State, engine: multiprocessing.process.BaseProcess, ready: Connection, server: Any
 ) -> None:
-    """Take the engine's startup report; once it was ready, its death stops the front."""
-    try:
-        report = ready.recv()
-    except EOFError:
-        report = {"problem": "the engine exited before it reported"}
-    if "problem" in report:
-        # the server stays up with /health 503 and the reason, for the health gate to show
-        state.problem = report["problem"]
-        log(f"not healthy: {state.problem}")
-        wait_for_exit(state, engine)
-        return
-    state.patches, state.problem, state.ready = report["patches"], "", True
+    """Take the engine's reports; once it was ready, its death stops the front."""
+    was_ready = False
+    while True:
+        try:
+            report = ready.recv()
+        except EOFError:  # the engine exited
+            if was_ready:
+                break
+            report = {"problem": "the engine exited before it reported"}
+        if "problem" in report:
+            # the server stays up with /health 503 and the reason, for the health gate to show
+            state.problem = report["problem"]
+            log(f"not healthy: {state.problem}")
+            wait_for_exit(state, engine)
+            return
+        if "refused" in report:
+            # the pair's nodes disagree: the head refuses to start, as vLLM's server exits when
+            # its engine core fails at load
+            state.problem = report["refused"]
+            log(f"refused: {state.problem}")
+            wait_for_exit(state, engine)
+            if not state.stopping:
+                state.exit_code = 1
+                server.shutdown()
+            return
+        if "waiting" in report:  # a pair's head, its table open, waits for its worker
+            state.problem = report["waiting"]
+        elif "lost" in report:  # its worker went: the engine is dead and will exit
+            state.ready, state.problem = False, report["lost"]
+        else:
+            state.patches, state.problem, state.ready = report["patches"], "", True
+            was_ready = True
     wait_for_exit(state, engine)
     if not state.stopping:
         state.ready, state.problem = False, f"the engine exited with code {engine.exitcode}"
@@ -628,7 +772,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="lab_server.py", description=__doc__.splitlines()[0], allow_abbrev=False
     )
     parser.add_argument("model_tag", nargs="?", help="the model directory (as `vllm serve`)")
-    for flag, kind in ACCEPTED_FLAGS.items():
+    for flag, kind in {**ACCEPTED_FLAGS, **PAIR_FLAGS}.items():
         if kind is None:
             parser.add_argument(flag, action="store_true")
         else:
@@ -643,25 +787,129 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.port = 8000
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         parser.error("--enable-auto-tool-choice requires --tool-call-parser (as vLLM)")
-    try:
-        args.engine_timeout_s = float(os.environ.get("SPARKPLE_LAB_ENGINE_TIMEOUT_S", "30"))
-    except ValueError:
-        parser.error("SPARKPLE_LAB_ENGINE_TIMEOUT_S must be a number of seconds")
-    if args.engine_timeout_s <= 0:
-        parser.error("SPARKPLE_LAB_ENGINE_TIMEOUT_S must be > 0")
-    try:
-        args.token_delay_s = float(os.environ.get("SPARKPLE_LAB_TOKEN_DELAY_S", "0"))
-    except ValueError:
-        parser.error("SPARKPLE_LAB_TOKEN_DELAY_S must be a number of seconds")
-    if args.token_delay_s < 0:
-        parser.error("SPARKPLE_LAB_TOKEN_DELAY_S must be >= 0")
+    args.engine_timeout_s = env_seconds(parser, "SPARKPLE_LAB_ENGINE_TIMEOUT_S", 30)
+    args.token_delay_s = env_seconds(parser, "SPARKPLE_LAB_TOKEN_DELAY_S", 0, zero_ok=True)
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         parser.error("--max-num-seqs must be >= 1 (as vLLM)")
+    args.pair = pair_side(parser, args)
     return args
+
+
+def env_seconds(
+    parser: argparse.ArgumentParser, name: str, default: float, zero_ok: bool = False
+) -> float:
+    try:
+        value = float(os.environ.get(name, str(default)))
+    except ValueError:
+        parser.error(f"{name} must be a number of seconds")
+    if value < 0 or (value == 0 and not zero_ok):
+        parser.error(f"{name} must be {'>= 0' if zero_ok else '> 0'}")
+    return value
+
+
+def pair_side(parser: argparse.ArgumentParser, args: argparse.Namespace) -> PairSide | None:
+    """None for one Spark; this node's side for a pair (TP 2 over --nnodes 2); exit 2 for any
+    other multi-node set-up, which the lab does not stand in for."""
+    tp, nnodes, rank = args.tensor_parallel_size, args.nnodes, args.node_rank
+    if (
+        tp in (None, 1)
+        and nnodes in (None, 1)
+        and rank in (None, 0)
+        and not args.headless
+        and args.master_addr is None
+        and args.master_port is None
+    ):
+        return None
+    if tp != 2 or nnodes != 2 or rank not in (0, 1):
+        values = {flag: getattr(args, flag[2:].replace("-", "_")) for flag in PAIR_FLAGS}
+        given = " ".join(
+            flag if value is True else f"{flag} {value}"
+            for flag, value in values.items()
+            if value is not None and value is not False
+        )
+        parser.error(
+            f"{given}: the lab serves one Spark (none of the multi-node flags) or a pair: "
+            "--tensor-parallel-size 2 --nnodes 2 and --node-rank 0 (the head) or 1 (the "
+            "worker, with --headless)"
+        )
+    if args.headless and rank != WORKER:
+        # vLLM 0.33 starts a headless node of rank 0 as data-parallel engines that wait for an
+        # API server elsewhere (entrypoints/cli/serve.py:218-264), which a pair never runs
+        parser.error(
+            "--headless with --node-rank 0: the head of a pair serves the API; only node 1, "
+            "the worker, is --headless"
+        )
+    if rank == WORKER and not args.headless:
+        parser.error(
+            "--node-rank 1 without --headless: the worker of a pair serves no API (the head "
+            "does); add --headless"
+        )
+    if args.distributed_executor_backend not in (None, "mp"):
+        parser.error(
+            f"--distributed-executor-backend {args.distributed_executor_backend}: a pair runs "
+            "on vLLM's multi-node mp engine (--distributed-executor-backend mp)"
+        )
+    port = DEFAULT_MASTER_PORT if args.master_port is None else args.master_port
+    if not 1 <= port <= 65535:
+        parser.error(f"--master-port {port}: use a TCP port (1-65535)")
+    return PairSide(
+        rank=rank,
+        master_addr=args.master_addr or DEFAULT_MASTER_ADDR,
+        master_port=port,
+        peer_timeout_s=env_seconds(parser, "SPARKPLE_LAB_PEER_TIMEOUT_S", 2),
+        join_timeout_s=env_seconds(parser, "SPARKPLE_LAB_JOIN_TIMEOUT_S", 600),
+    )
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    """Node 1 of a pair (--headless): no API server, as vLLM's headless node runs only its
+    executor (entrypoints/cli/serve.py:218-233). It opens its table, joins the head at
+    --master-addr:--master-port, and when the head goes it does not exit: vLLM's worker waits
+    for the next step with no timeout (v1/executor/multiproc_executor.py:1159) and nothing on
+    its node watches the head (docs/tensor-parallel.md). It never joins another head: it must
+    be restarted. SIGTERM stops it (exit 0)."""
+    pair = args.pair
+
+    def on_sigterm(*_: Any) -> None:
+        log("SIGTERM: stopping node 1")
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    model_dir = Path(args.model)
+    try:
+        patches = check_patches()
+        table_dir = table_dir_from_env()
+        engine = Engine(model_dir, table_dir)
+        own = hello(pair.rank, model_dir, table_dir, engine.table.meta)
+    except (SparkpleError, OSError, KeyError, ValueError) as exc:
+        log(f"node 1 cannot serve: {type(exc).__name__}: {exc}")
+        return 1
+    log(f"node 1 (pid {os.getpid()}, headless): {patches}; table {table_dir} open")
+    try:
+        link = join_head(pair.master_addr, pair.master_port, own, pair.join_timeout_s, log)
+    except PairRefused as exc:
+        log(f"refused: {exc}")
+        return 1
+    log(f"joined the pair: its head is {link.describe()}")
+    head_gone = threading.Event()
+
+    def lost(why: str) -> None:
+        log(
+            f"the head, {link.describe()}, is gone ({why}); node 1 waits for a next step that "
+            "will not come, as vLLM's headless node does: restart it to join a new head"
+        )
+        head_gone.set()
+
+    link.watch(lost)
+    head_gone.wait()
+    threading.Event().wait()  # until SIGTERM
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.pair is not None and args.pair.rank == WORKER:
+        return worker_main(args)
 
     # PID 1 in a container ignores SIGTERM unless it handles it: `docker stop` must stop us,
     # also while the engine starts. SystemExit unwinds to the `finally` that stops the engine.
@@ -684,7 +932,7 @@ def main(argv: list[str] | None = None) -> int:
     ready_rx, ready_tx = mp.Pipe(duplex=False)
     engine = mp.Process(
         target=engine_main,
-        args=(Path(args.model), state.socket_path, ready_tx, args.token_delay_s),
+        args=(Path(args.model), state.socket_path, ready_tx, args.token_delay_s, args.pair),
         name="engine",
     )
     engine.start()

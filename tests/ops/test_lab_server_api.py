@@ -8,8 +8,8 @@ import os
 import subprocess
 import sys
 
-from ops_helpers import LAB, ROOT
-from test_lab_server import lab_server, request  # noqa: F401 - fixtures
+from ops_helpers import LAB, ROOT, wait_for
+from test_lab_server import health, lab_server, request  # noqa: F401 - fixtures
 
 MTP = '--speculative-config={"method":"mtp","num_speculative_tokens":3}'
 
@@ -37,6 +37,7 @@ def test_json_flags_must_arrive_as_json() -> None:
 def test_chat_and_models_in_vllms_shape(lab_server, lab_data) -> None:  # noqa: F811
     env_args = ["--served-model-name=qwen3.8-flash-next", MTP, "--max-model-len=262144"]
     front, port = lab_server(extra_args=env_args)
+    wait_for(lambda: health(port) == 200, 30, "/health 200")  # the engine ready for the chat
     code, models = request(port, "/v1/models")
     assert code == 200
     (card,) = models["data"]

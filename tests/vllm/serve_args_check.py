@@ -83,6 +83,13 @@ def check(parser, request: dict) -> dict:
         "gpu_memory_utilization": engine_args.gpu_memory_utilization,
         "hf_overrides": engine_args.hf_overrides,
         "async_scheduling": engine_args.async_scheduling,
+        # the multi-node words of a pair (sparkple.serving.pair)
+        "tensor_parallel_size": engine_args.tensor_parallel_size,
+        "nnodes": engine_args.nnodes,
+        "node_rank": engine_args.node_rank,
+        "master_addr": engine_args.master_addr,
+        "master_port": engine_args.master_port,
+        "headless": ns.headless,
     }
     engine: dict = {}
     try:

@@ -20,6 +20,7 @@ from hf_snapshot import hf_cache_snapshot
 
 from sparkple.serving.budget import GIB, BudgetKnobs
 from sparkple.serving.cli import plan
+from sparkple.serving.pair import Pair, PairNode
 from sparkple.serving.recipe import Recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -272,7 +273,7 @@ def test_vllm_refuses_a_kv_cache_dtype_it_does_not_know(checked: dict) -> None:
 def test_lab_server_accepts_only_vllm_flags(checked: dict) -> None:
     lab = load_module(ROOT / "lab/lab_server.py", "lab_server_flags")
     flags = checked["flags"]
-    for flag, kind in lab.ACCEPTED_FLAGS.items():
+    for flag, kind in {**lab.ACCEPTED_FLAGS, **lab.PAIR_FLAGS}.items():
         assert flag in flags, f"the lab server accepts {flag}, which vLLM 0.33.0 does not know"
         assert flags[flag] == (kind is not None), f"{flag}: value-taking differs from vLLM"
     # every flag the recipe emits is one the lab server accepts
@@ -282,3 +283,41 @@ def test_lab_server_accepts_only_vllm_flags(checked: dict) -> None:
             if flag in ("--enable-prefix-caching", "--default-chat-template-kwargs"):
                 continue  # the "extra" case's free arguments
             assert flag in lab.ACCEPTED_FLAGS, f"the lab server would refuse {flag}"
+
+
+# A pair of the inventory (sparkple.serving.pair): the head's link address is the rendezvous.
+LAB_PAIR = Pair(
+    name="lab",
+    head=PairNode("spark-a", 0, "10.0.0.1", "enp1s0f1np1", "rocep1s0f1", 3),
+    worker=PairNode("spark-b", 1, "10.0.0.2", "enp1s0f1np1", "rocep1s0f1", 3),
+    master_port=29501,
+)
+
+
+@pytest.fixture(scope="module")
+def pair_checked(vllm_venv: Path, checked: dict, tmp_path_factory) -> dict:
+    """The production plan's argv with each node's multi-node words, through vLLM's parser."""
+    argv = checked["plans"]["production"][1]["argv"]
+    argvs = {host: [*argv, *LAB_PAIR.vllm_args(host)] for host in ("spark-a", "spark-b")}
+    cases = {host: {"args": args} for host, args in argvs.items()}
+    result = run_check(vllm_venv, cases, tmp_path_factory.mktemp("pair-check"))
+    return {"argvs": argvs, **result}
+
+
+def test_lab_server_takes_a_pairs_argvs_as_vllm_parses_them(pair_checked: dict) -> None:
+    """Both nodes' argvs pass vLLM 0.33.0's parser, and the lab server reads the same pair
+    from them: the head (node 0) and the headless worker (node 1) at the same rendezvous."""
+    lab = load_module(ROOT / "lab/lab_server.py", "lab_server_pair")
+    for host, argv in pair_checked["argvs"].items():
+        case = pair_checked["cases"][host]
+        assert case["unknown"] == [], f"vLLM 0.33.0 does not know {case['unknown']}"
+        assert case["error"] is None, case["error"]
+        rank = LAB_PAIR.node(host).rank
+        values = case["values"]
+        layout = (values["tensor_parallel_size"], values["nnodes"], values["node_rank"])
+        assert layout == (2, 2, rank)
+        assert (values["master_addr"], values["master_port"]) == ("10.0.0.1", 29501)
+        assert values["headless"] is (rank == 1)
+        assert values["distributed_executor_backend"] == "mp"
+        side = lab.parse_args(argv).pair
+        assert (side.rank, side.master_addr, side.master_port) == (rank, "10.0.0.1", 29501)
