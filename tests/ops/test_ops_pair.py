@@ -4,6 +4,7 @@ serving unit (tests/ops/pair_units.py: an HTTP server whose /health answers 200)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -81,7 +82,8 @@ class Node:
         return read_json(self.state / "supervisor.json")
 
     def events(self, name: str, since: float = 0.0) -> list[dict]:
-        return [h for h in self.st().get("history", []) if h["event"] == name and h["time"] >= since]
+        history = self.st().get("history", [])
+        return [h for h in history if h["event"] == name and h["time"] >= since]
 
     def side(self) -> dict:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.link}/pair", timeout=5) as r:
@@ -99,10 +101,8 @@ def pair(tmp_path):
     head, worker = Node(tmp_path, "head"), Node(tmp_path, "worker")
     yield head, worker
     for node in (head, worker):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             os.kill(int((node.unit / "pid").read_text()), signal.SIGKILL)
-        except (OSError, ValueError):
-            pass
 
 
 def starts(root: Path) -> list[str]:
@@ -116,7 +116,9 @@ def running(head: Node) -> bool:
 
 
 def up_and_ready(head: Node, worker: Node, what: str, timeout_s: float = 30) -> None:
-    wait_for(lambda: head.st().get("ready_at") and worker.st().get("state") == "running", timeout_s, what)
+    wait_for(
+        lambda: head.st().get("ready_at") and worker.st().get("state") == "running", timeout_s, what
+    )
 
 
 def test_the_worker_starts_first_and_a_killed_worker_stops_both_and_both_come_back(
@@ -268,9 +270,16 @@ def test_emergency_stops_on_the_worker_count_once_each_until_the_breaker_opens(
     up_and_ready(head, worker, "the pair launched")
     procs(
         watchdog_cmd(
-            worker.state, "--avail-floor-mib", above_real_memory(),
-            "--running-cmd", worker.cmd("is-active"), "--stop-cmd", worker.cmd("stop"),
-            "--logs-cmd", "true", interval_s=0.2,
+            worker.state,
+            "--avail-floor-mib",
+            above_real_memory(),
+            "--running-cmd",
+            worker.cmd("is-active"),
+            "--stop-cmd",
+            worker.cmd("stop"),
+            "--logs-cmd",
+            "true",
+            interval_s=0.2,
         )  # fmt: skip
     )
     wait_for(lambda: head.st().get("state") == "breaker-open", 60, "the breaker")
