@@ -314,3 +314,31 @@ def test_every_state_the_pair_supervisors_write_has_a_gauge():
     written = set(re.findall(r"""(?:state=|"state": |\["state"\] = )"([a-z-]+)\"""", source))
     assert {"standby", "launched", "starting"} <= written
     assert written <= set(SUPERVISOR_STATES)
+
+
+def test_the_weekly_relaunch_on_the_head_relaunches_both_worker_first_without_an_incident(
+    tmp_path, pair, procs
+):
+    head, worker = pair
+    procs(worker.supervisor(head))
+    procs(head.supervisor(worker))
+    up_and_ready(head, worker, "the pair launched")
+    since = time.time()
+    # the loop's flags (after "run"), without the smoke generation (the stand-in has no API)
+    loop_flags = [*head.supervisor(worker)[4:], "--url", ""]
+    done = subprocess.run(
+        [*program("supervisor", "relaunch"), *loop_flags],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert head.events("maintenance-relaunch", since)[0]["stop_exit"] == 0
+    wait_for(lambda: running(head) and head.events("ready", since), 20, "both relaunched")
+    assert starts(tmp_path) == ["worker", "head", "worker", "head"]
+    [relaunched] = head.events("relaunch", since)
+    assert relaunched["generation"] == 2 and relaunched["backoff_s"] == 0
+    assert head.events("pair-broken") == [] and not (head.state / "markers").exists()
+    skipped = subprocess.run(
+        [*program("supervisor", "relaunch"), *worker.supervisor(head)[4:]],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert skipped.returncode == 0 and "the head's relaunch relaunches the pair" in skipped.stdout
