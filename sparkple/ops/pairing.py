@@ -392,7 +392,10 @@ class PairLeader(PairMember):
         backoff = round(st["next_attempt_at"] - st["down_since"], 3)
         self.clean_shm(st, now)
         st["restarts"] += 1
-        pair.update(generation=pair["generation"] + 1, want_worker=True, head_started=False)
+        # past any generation the worker has seen, should this state have been lost
+        theirs = (self.peer or {}).get("generation")
+        latest = max(pair["generation"], theirs if isinstance(theirs, int) else 0)
+        pair.update(generation=latest + 1, want_worker=True, head_started=False)
         self.record(
             st, now, "relaunch", attempt=st["restarts"], waited_s=waited, backoff_s=backoff,
             generation=pair["generation"],

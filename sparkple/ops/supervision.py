@@ -73,9 +73,10 @@ class Supervisor:
         return fresh_state()
 
     def load(self) -> dict[str, Any]:
-        state = self.fresh()
-        state.update({k: v for k, v in read_json_object(self.path).items() if k in state})
-        return state
+        # the saved state over a fresh one; what this program does not know is kept too:
+        # `sparkple-ops reset` on a pair's node runs without the pair's flags and must not
+        # drop the pair's state
+        return {**self.fresh(), **read_json_object(self.path)}
 
     def save(self, st: dict[str, Any], now: float) -> None:
         st["updated"] = now

@@ -342,3 +342,16 @@ def test_the_weekly_relaunch_on_the_head_relaunches_both_worker_first_without_an
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert skipped.returncode == 0 and "the head's relaunch relaunches the pair" in skipped.stdout
+
+
+def test_a_reset_without_the_pair_flags_keeps_the_pairs_state(tmp_path, pair, procs):
+    """`sparkple-ops reset` passes the state dir alone: the head's generation survives it, so
+    the next launch is a new one for the worker too."""
+    head, worker = pair
+    procs(worker.supervisor(head))
+    sup = procs(head.supervisor(worker))
+    up_and_ready(head, worker, "the pair launched")
+    sup.terminate()
+    sup.wait(10)
+    head.ops("reset")
+    assert head.st()["pair"]["generation"] == 1 and head.st()["state"] == "reset"
