@@ -39,7 +39,7 @@ from typing import Any
 from .host import run_command
 from .pairlink import PairLink
 from .state import INCIDENT_KINDS, PAIR_BROKEN, manual_stop_path, read_markers, write_marker
-from .supervision import Supervisor
+from .supervision import Supervisor, log
 
 ROLES = ("head", "worker")
 
@@ -95,6 +95,9 @@ class PairMember(Supervisor):
                 f"{side.get('rank')!r}, not pair {self.args.pair!r} rank {rank}: check "
                 "--pair-peer-url (sparkple_pair_info.peer_address, sparkple_pair_link_port)"
             )
+        generation = side.get("generation")
+        if not isinstance(generation, int) or isinstance(generation, bool):
+            side["generation"] = None  # never compared as a number unless it is one
         return side, None
 
     def side(self, st: dict[str, Any]) -> dict[str, Any]:
@@ -164,6 +167,11 @@ class PairMember(Supervisor):
         return False
 
     def run(self) -> int:
+        host, port = self.link.address
+        log(
+            f"pair {self.args.pair}: {self.pair_role} {self.args.pair_host}, serving its side on "
+            f"http://{host}:{port}/pair, reading {self.link.peer_url}"
+        )
         try:
             return super().run()
         finally:
