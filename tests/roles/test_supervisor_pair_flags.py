@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,45 @@ def test_a_single_spark_gets_no_pair_flags(tmp_path):
     assert "--pair" not in got["flags"]
     assert parse_args(["run", *shlex.split(got["flags"])]).pair_rank is None
     assert {u["name"]: u["start"] for u in got["units"]}["sparkple-relaunch.timer"] is True
+
+
+STATUS_PLAY = """
+- hosts: localhost
+  gather_facts: false
+  vars_files:
+    - {root}/roles/sparkple_common/defaults/main.yml
+    - {root}/roles/serving_supervisor/defaults/main.yml
+    - {root}/roles/serving_supervisor/vars/main.yml
+  tasks:
+    - ansible.builtin.include_tasks: {root}/roles/serving_supervisor/tasks/status.yml
+    - ansible.builtin.copy:
+        dest: "{{{{ out }}}}"
+        content: "{{{{ serving_supervisor_status_line }}}}"
+"""
+
+
+@pytest.mark.parametrize("paired", [True, False], ids=["pair", "single"])
+def test_the_status_line_names_the_pair_on_a_pair_node_only(tmp_path, paired):
+    """The role's status task runs the real `supervisor status --json` on a state dir."""
+    state = tmp_path / "state"
+    st: dict = {"state": "running", "history": []}
+    if paired:
+        peer = {"host": "spark-a", "reachable": True, "unit_active": True}
+        st["pair"] = {"name": "p1", "role": "worker", "host": "spark-b", "generation": 3}
+        st["pair"]["peer"] = peer
+    state.mkdir()
+    (state / "supervisor.json").write_text(json.dumps(st))
+    out = tmp_path / "line"
+    done = run_playbook(
+        tmp_path,
+        STATUS_PLAY.format(root=ROOT),
+        {"out": str(out), "sparkple_ops_state_dir": str(state),
+         "sparkple_host_python": f"env PYTHONPATH={ROOT} {sys.executable}"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    line = out.read_text()
+    assert line.startswith("supervisor=running MemAvailable=")
+    if paired:
+        assert line.endswith(" pair=p1/worker peer=reachable generation=3"), line
+    else:
+        assert "pair=" not in line and line.endswith(tuple("0123456789-")), line
