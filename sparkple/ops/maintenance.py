@@ -19,7 +19,9 @@ def relaunch(sup: Supervisor) -> int:
         log("maintenance relaunch skipped: the head's relaunch relaunches the pair, worker first")
         return 0
     st = sup.load()
-    if manual_stop_path(sup.state_dir).exists() or st["state"] in ("hold", "breaker-open"):
+    # a pair's loop is hands off under the peer's manual-stop flag as well (state manual-stop)
+    paused = ("hold", "breaker-open") + (("manual-stop",) if sup.pair_role else ())
+    if manual_stop_path(sup.state_dir).exists() or st["state"] in paused:
         log(f"maintenance relaunch skipped: supervisor is {st['state']}")
         return 0
     if not sup.running():
