@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-# The fields of a /pair answer (both sides; want_worker is the head's alone).
+# The fields of a /pair answer (both sides; null where a field is the other side's).
 PAIR_FIELDS = (
     "pair",  # the pair's name
     "host",  # this node
@@ -28,6 +28,7 @@ PAIR_FIELDS = (
     "manual_stop",  # this node's manual-stop flag: hands off for the pair
     "generation",  # head: the pair's launch number; worker: the launch its unit belongs to
     "want_worker",  # head: true while the worker's unit should run for `generation`
+    "start_exit",  # worker: the exit status of its last start of the unit
     "incidents",  # incident markers of the last 24 h on this node: kind, time, reason
     "updated",  # when the last check ran (this node's clock)
 )

@@ -19,6 +19,7 @@ import pytest
 from lab_inputs import free_port
 from ops_helpers import ROOT, above_real_memory, program, read_json, wait_for, watchdog_cmd
 
+from sparkple.ops.pairlink import PAIR_FIELDS
 from sparkple.ops.state import PAIR_BROKEN, SUPERVISOR_STATES, count_markers
 
 UNITS = Path(__file__).with_name("pair_units.py")
@@ -135,6 +136,7 @@ def test_the_worker_starts_first_and_a_killed_worker_stops_both_and_both_come_ba
     assert launch["generation"] == 1 and launch["time"] <= joined["time"] <= started["time"]
     assert worker.events("worker-started")[0]["generation"] == 1
     side = head.side()
+    assert set(side) == set(worker.side()) == set(PAIR_FIELDS)
     assert side["want_worker"] is True and side["generation"] == 1 and side["unit_active"]
     assert worker.side()["generation"] == 1 and worker.side()["role"] == "worker"
 
