@@ -8,7 +8,6 @@ import argparse
 import time
 
 from .drain import drain
-from .host import run_command
 from .probe import Client, check_generation, read_env_file
 from .state import locked, manual_stop_path
 from .supervision import Supervisor, log
@@ -16,8 +15,13 @@ from .supervision import Supervisor, log
 
 def relaunch(sup: Supervisor) -> int:
     """Drain, then stop and start in one locked step, so the loop never sees it down."""
+    if sup.pair_role == "worker":
+        log("maintenance relaunch skipped: the head's relaunch relaunches the pair, worker first")
+        return 0
     st = sup.load()
-    if manual_stop_path(sup.state_dir).exists() or st["state"] in ("hold", "breaker-open"):
+    # a pair's loop is hands off under the peer's manual-stop flag as well (state manual-stop)
+    paused = ("hold", "breaker-open") + (("manual-stop",) if sup.pair_role else ())
+    if manual_stop_path(sup.state_dir).exists() or st["state"] in paused:
         log(f"maintenance relaunch skipped: supervisor is {st['state']}")
         return 0
     if not sup.running():
@@ -27,20 +31,10 @@ def relaunch(sup: Supervisor) -> int:
     with locked(sup.lock):
         now = time.time()
         st = sup.load()
-        stop = run_command(sup.args.stop_cmd, sup.values, timeout_s=sup.args.stop_timeout_s)
-        start = run_command(sup.args.start_cmd, sup.values, timeout_s=sup.args.start_timeout_s)
-        sup.record(
-            st,
-            now,
-            "maintenance-relaunch",
-            drained=drained,
-            stop_exit=stop.returncode,
-            start_exit=start.returncode,
-        )
-        if start.ok:
-            st.update(state="launched", launch_at=now, ready_at=None, healthy_since=None)
+        ok, exits = sup.restart_unit(st, now)
+        sup.record(st, now, "maintenance-relaunch", drained=drained, **exits)
         sup.save(st, now)
-    if not (stop.ok and start.ok):
+    if not ok:
         return 1
     return smoke(sup, now)
 

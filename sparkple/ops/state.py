@@ -2,8 +2,8 @@
 
 Layout of the state dir (one per host):
   markers/<kind>-<UTC stamp>.json   one file per incident (kind: emergency, unhealthy,
-                                    wedged); kept for forensics, counted by the supervisor's
-                                    circuit breaker
+                                    wedged, pair-broken); kept for forensics, counted by the
+                                    supervisor's circuit breaker
   manual-stop                       flag: an operator stopped the service; nothing relaunches it
   <program>.json                    each program's current state, for `status` output
   alerts.json                       when each alert kind was last sent (rate limit)
@@ -27,8 +27,10 @@ from ..atomicfile import write_text
 MARKERS = "markers"
 # Markers that record an incident: a memory emergency stop, a server stopped by the probe
 # because /health kept failing after readiness (unhealthy) or generations kept failing with
-# /health 200 (wedged).
-INCIDENT_KINDS = frozenset({"emergency", "unhealthy", "wedged"})
+# /health 200 (wedged), and on a pair's head one per break of the pair (pair-broken: either
+# side went down, whatever stopped it; the breaker of a pair counts these alone).
+PAIR_BROKEN = "pair-broken"
+INCIDENT_KINDS = frozenset({"emergency", "unhealthy", "wedged", PAIR_BROKEN})
 MANUAL_STOP = "manual-stop"
 # Every state the supervisor records in supervisor.json (the metrics export one gauge each).
 SUPERVISOR_STATES = (
@@ -40,6 +42,7 @@ SUPERVISOR_STATES = (
     "breaker-open",
     "manual-stop",
     "reset",
+    "standby",  # a pair's worker whose unit is off until its head wants it
 )
 
 

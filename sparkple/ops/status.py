@@ -43,7 +43,43 @@ def report(state_dir: Path, kmsg: Path, io_device: str = "") -> dict[str, Any]:
         ],
         "kernel_errors": kernel_error_counts(kmsg, io_device),
         "table_device": io_device or None,
+        "pair": pair_status(sup),
     }
+
+
+def pair_status(sup: Any) -> dict[str, Any] | None:
+    """A pair node's view of its pair (from the supervisor's last check); None on a single
+    Spark."""
+    pair = sup.get("pair") if isinstance(sup, dict) else None
+    if not isinstance(pair, dict):
+        return None
+    peer = pair.get("peer") or {}
+    return {
+        "name": pair.get("name"),
+        "role": pair.get("role"),
+        "host": pair.get("host"),
+        "generation": pair.get("generation"),
+        "want_worker": pair.get("want_worker"),
+        "up": pair.get("up"),
+        "peer": peer.get("host"),
+        "peer_reachable": bool(peer.get("reachable")),
+        "peer_unit_active": peer.get("unit_active"),
+        "peer_state": peer.get("state"),
+        "peer_generation": peer.get("generation"),
+        "peer_seen_at": peer.get("seen_at"),
+        "link_error": pair.get("link_error") or pair.get("peer_problem"),
+    }
+
+
+def pair_line(pair: dict[str, Any]) -> str:
+    unit = {True: "active", False: "inactive"}.get(pair["peer_unit_active"], "unknown")
+    return (
+        f"pair {pair['name']}: {pair['role']} {pair['host']}, peer {pair['peer'] or '-'} "
+        + ("reachable" if pair["peer_reachable"] else "unreachable")
+        + f" (unit {unit}, supervisor {pair['peer_state'] or 'unknown'}, last seen "
+        f"{iso_or_dash(pair['peer_seen_at'])}), generation {pair['generation']}"
+        + (f"; link: {pair['link_error']}" if pair["link_error"] else "")
+    )
 
 
 def kernel_line(errors: dict[str, int] | None, device: str | None = None) -> str:
@@ -63,6 +99,7 @@ def one_line(rep: dict[str, Any]) -> str:
     return (
         f"supervisor {sup.get('state', 'unknown')}"
         + (" (manual stop)" if rep["manual_stop"] else "")
+        + (f", {pair_line(rep['pair'])}" if rep.get("pair") else "")
         + f", probe {probe.get('last_result', 'unknown')}, incidents in 24 h "
         f"{len(rep['incidents_24h'])}, MemAvailable "
         f"{wd.get('mem_available_bytes', 0) // (1024 * 1024)} MiB, "
@@ -93,6 +130,8 @@ def status(state_dir: Path, as_json: bool, kmsg: Path, io_device: str = "") -> i
         kernel_line(rep["kernel_errors"], rep.get("table_device")),
         f"incidents in 24 h: {len(rep['incidents_24h'])}",
     ]
+    if rep["pair"]:
+        lines.insert(2, pair_line(rep["pair"]))
     lines += [f"  {m['time_iso']} {m['kind']}: {m['reason']}" for m in rep["incidents_24h"]]
     print("\n".join(lines))
     return 0

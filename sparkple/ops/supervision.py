@@ -55,6 +55,9 @@ def fresh_state() -> dict[str, Any]:
 
 
 class Supervisor:
+    # "head" or "worker" for a node of a pair (sparkple.ops.pairing); None for a single Spark
+    pair_role: str | None = None
+
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.state_dir: Path = args.state_dir
@@ -66,10 +69,14 @@ class Supervisor:
         self.table_device = table_device(args)
 
     # -- state -------------------------------------------------------------------------------
+    def fresh(self) -> dict[str, Any]:
+        return fresh_state()
+
     def load(self) -> dict[str, Any]:
-        state = fresh_state()
-        state.update({k: v for k, v in read_json_object(self.path).items() if k in state})
-        return state
+        # the saved state over a fresh one; what this program does not know is kept too:
+        # `sparkple-ops reset` on a pair's node runs without the pair's flags and must not
+        # drop the pair's state
+        return {**self.fresh(), **read_json_object(self.path)}
 
     def save(self, st: dict[str, Any], now: float) -> None:
         st["updated"] = now
@@ -145,14 +152,17 @@ class Supervisor:
         if self.alerter.send("heartbeat", f"heartbeat: {one_line(rep)}", {"report": rep}):
             st["last_heartbeat"] = now
 
-    def step(self, st: dict[str, Any], now: float) -> None:
+    def hands_off(self, st: dict[str, Any], now: float, note: str) -> None:
+        """The manual-stop flag: nothing is relaunched, and the streak starts over after it."""
+        if st["state"] != "manual-stop":
+            self.record(st, now, "manual-stop", note=note)
+        st.update(state="manual-stop", restarts=0, launch_at=None, down_since=None)
+        st.update(next_attempt_at=None, ready_at=None, healthy_since=None)
+
+    def latched(self, st: dict[str, Any], now: float) -> bool:
+        """Open the breaker when the incidents reached its count; True while it is open or the
+        supervisor holds (nothing is relaunched then)."""
         args = self.args
-        if manual_stop_path(self.state_dir).exists():
-            if st["state"] != "manual-stop":
-                self.record(st, now, "manual-stop", note="flag present; not relaunching")
-            st.update(state="manual-stop", restarts=0, launch_at=None, down_since=None)
-            st.update(next_attempt_at=None, ready_at=None, healthy_since=None)
-            return
         if st["breaker_open_since"] is None:
             incidents = self.incidents(st, now)
             if len(incidents) >= args.breaker_count:
@@ -166,9 +176,17 @@ class Supervisor:
                 )
         if st["breaker_open_since"] is not None:
             st.update(state="breaker-open", next_attempt_at=None)
-            return
+            return True
         if st["hold_reason"] is not None:
             st.update(state="hold", next_attempt_at=None)
+            return True
+        return False
+
+    def step(self, st: dict[str, Any], now: float) -> None:
+        if manual_stop_path(self.state_dir).exists():
+            self.hands_off(st, now, "flag present; not relaunching")
+            return
+        if self.latched(st, now):
             return
 
         if self.running():
@@ -298,6 +316,15 @@ class Supervisor:
         st.update(down_since=now, next_attempt_at=now + self.delay(st["restarts"]))
         if not self.hold_if_exhausted(st, now):
             st["state"] = "backoff"
+
+    def restart_unit(self, st: dict[str, Any], now: float) -> tuple[bool, dict[str, Any]]:
+        """The maintenance relaunch's stop and start (under the lock): whether both worked, and
+        their exits for the record."""
+        stop = run_command(self.args.stop_cmd, self.values, timeout_s=self.args.stop_timeout_s)
+        start = run_command(self.args.start_cmd, self.values, timeout_s=self.args.start_timeout_s)
+        if start.ok:
+            st.update(state="launched", launch_at=now, ready_at=None, healthy_since=None)
+        return stop.ok and start.ok, {"stop_exit": stop.returncode, "start_exit": start.returncode}
 
     def hold_if_exhausted(self, st: dict[str, Any], now: float) -> bool:
         """Hold when `hold_after` launches in a row failed; True when it holds."""

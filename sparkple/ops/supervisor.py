@@ -17,6 +17,14 @@ The serving unit has no restart policy of its own; this loop owns relaunching it
 Hold and breaker latch until `reset`. State is in <state-dir>/supervisor.json; `status` prints
 it together with the watchdog's and the probe's state.
 
+On the two nodes of a pair (two Sparks at TP 2, `--pair-rank`) the pair is one unit of service
+(sparkple.ops.pairing): each node's supervisor serves its side read-only on the pair link
+(GET http://<--pair-listen>/pair) and reads the other's (--pair-peer-url). The head's supervisor
+leads and applies the policy above to the pair: the worker's unit starts first, a break of
+either side stops the other and counts one `pair-broken` incident (the only kind its breaker
+counts), and both are relaunched together. The worker's supervisor follows the head and counts
+nothing; the manual-stop flag of either node is hands off for both.
+
 Subcommands: run, status, reset, manual-stop, resume, relaunch (drain, then stop and start,
 wait for /health and check a real generation: the weekly maintenance relaunch).
 """
@@ -24,6 +32,7 @@ wait for /health and check a real generation: the weekly maintenance relaunch).
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 import time
 from pathlib import Path
@@ -32,10 +41,11 @@ from ..atomicfile import write_text
 from .drain import drain_options
 from .host import service_options, table_device
 from .maintenance import relaunch
+from .pairing import make_supervisor
+from .pairlink import parse_listen
 from .shm import DEFAULT_PATTERNS
 from .state import iso, locked, manual_stop_path
 from .status import state_options, status
-from .supervision import Supervisor
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -61,6 +71,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--shm-patterns",
         default=DEFAULT_PATTERNS,
         help="segments removed before a relaunch when no process holds any; empty: none",
+    )
+    pair = service.add_argument_group("a pair (two Sparks at TP 2)")
+    pair.add_argument("--pair", default="", help="the pair's name (the same on both nodes)")
+    pair.add_argument(
+        "--pair-rank", type=int, choices=(0, 1), help="0: the head (leads), 1: the worker"
+    )
+    pair.add_argument("--pair-host", default=socket.gethostname(), help="this node's name")
+    pair.add_argument("--pair-listen", default="", help="ADDRESS:PORT of this node's pair link")
+    pair.add_argument("--pair-peer-url", default="", help="the peer's link, http://ADDRESS:PORT")
+    pair.add_argument(
+        "--pair-peer-timeout-s",
+        type=float,
+        default=30.0,
+        help="a peer unreachable this long is gone: its side of the pair is stopped",
     )
     policy = argparse.ArgumentParser(add_help=False)
     policy.add_argument("--poll-s", type=float, default=5.0, help="seconds between checks")
@@ -107,6 +131,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "--backoff-base-s and --ready-timeout-s must be > 0, --heartbeat-s >= 0, "
             "--hold-after and --breaker-count >= 1"
         )
+    if getattr(args, "pair_rank", None) is not None:
+        try:
+            parse_listen(args.pair_listen)
+        except ValueError as exc:
+            p.error(str(exc))
+        if not args.pair or not args.pair_peer_url.startswith(("http://", "https://")):
+            p.error(
+                "--pair-rank needs --pair NAME and --pair-peer-url http://PEER:PORT "
+                "(roles/serving_supervisor renders them from sparkple_pair_info)"
+            )
+        if args.pair_peer_timeout_s <= 0:
+            p.error("--pair-peer-timeout-s must be > 0")
     return args
 
 
@@ -124,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 manual_stop_path(args.state_dir).unlink(missing_ok=True)
         return 0
-    supervisor = Supervisor(args)
+    supervisor = make_supervisor(args)
     if args.command == "reset":
         return supervisor.reset()
     if args.command == "relaunch":

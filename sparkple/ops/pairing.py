@@ -1,0 +1,483 @@
+"""A pair is one unit of service: the supervisors of a pair's two nodes (sparkple.serving.pair)
+keep both units up together or neither.
+
+vLLM's multi-node engine does not: a worker whose head died waits for the next step forever,
+and a head whose worker died answers /health 200 until a step times out (docs/tensor-parallel.md).
+So each supervisor serves its side on the pair link (sparkple.ops.pairlink) and reads the other's:
+
+  - the head's supervisor leads. It owns backoff, hold and breaker for the pair. A launch is a
+    new `generation` with `want_worker` set; the head's unit starts only once the worker reports
+    its unit active for that generation (worker first), and the readiness deadline runs from
+    the generation's start, so a worker that never joins is a failed launch. When either unit
+    goes down (or the worker's supervisor stays unreachable past --pair-peer-timeout-s) while
+    the pair is up, it stops the head at once, drops `want_worker`, writes one `pair-broken`
+    marker (the pair's breaker counts these alone, whatever stopped it, on either node) and
+    relaunches both after the backoff, once the worker reports its unit down;
+  - the worker's supervisor follows. It starts its unit when the head wants it for a
+    generation its unit is not running for (a unit of an older generation is restarted: its
+    head is gone), stops it when the head no longer wants it or stays unreachable past the
+    bound, never restarts a unit that went down for the same generation (the head must see
+    the break), and counts nothing;
+  - the manual-stop flag on either node means hands off for the pair: neither side starts or
+    stops anything. Afterwards a running pair is adopted: its generation is kept (or taken from
+    the worker's) and the head is watched to readiness as after a launch, with no relaunch.
+
+History events (supervisor.json, the head's unless said): relaunch (with the generation),
+worker-joined, head-started, ready, stable, pair-broken (cause: worker-down,
+worker-unreachable, head-down, both-down; explained_by: the incident markers of either node
+since the pair came up), pair-stopped (after_s: from the break until both units were down),
+launch-failed, ready-timeout, adopted, half-pair-stopped; the worker's: worker-started,
+worker-stopped (reason), adopted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from .host import run_command
+from .pairlink import PairLink
+from .state import INCIDENT_KINDS, PAIR_BROKEN, manual_stop_path, read_markers, write_marker
+from .supervision import Supervisor, log
+
+ROLES = ("head", "worker")
+
+
+class PairMember(Supervisor):
+    """What both sides share: the link, the view of the peer, the side they publish."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        self.link = PairLink(args.pair_listen, args.pair_peer_url)
+        self.link_error: str | None = None
+        self.peer: dict[str, Any] | None = None
+        self.peer_problem: str | None = None
+        self.unit_active = False
+        self.started_at = time.time()
+
+    def fresh(self) -> dict[str, Any]:
+        return {**super().fresh(), "pair": self.fresh_pair()}
+
+    def fresh_pair(self) -> dict[str, Any]:
+        return {
+            "name": self.args.pair,
+            "role": self.pair_role,
+            "host": self.args.pair_host,
+            "generation": None,
+            "link_error": None,
+            "peer": {"reachable": False, "seen_at": None},
+        }
+
+    def load(self) -> dict[str, Any]:
+        st = super().load()
+        saved = st["pair"] if isinstance(st["pair"], dict) else {}
+        st["pair"] = {**self.fresh_pair(), **saved, "name": self.args.pair}
+        return st
+
+    # -- the link ----------------------------------------------------------------------------
+    def tick(self) -> dict[str, Any]:
+        # network I/O outside the loop's lock: manual-stop and resume never wait for a peer
+        self.link_error = self.link.serve()
+        self.peer, self.peer_problem = self.checked(self.link.fetch())
+        st = super().tick()
+        self.link.publish(self.side(st))
+        return st
+
+    def checked(self, side: dict[str, Any] | None) -> tuple[dict[str, Any] | None, str | None]:
+        """The peer's side when it is this pair's other node; else None and what is wrong."""
+        if side is None:
+            return None, None
+        rank = 1 - self.args.pair_rank
+        if side.get("pair") != self.args.pair or side.get("rank") != rank:
+            return None, (
+                f"{self.args.pair_peer_url} answers for pair {side.get('pair')!r} rank "
+                f"{side.get('rank')!r}, not pair {self.args.pair!r} rank {rank}: check "
+                "--pair-peer-url (sparkple_pair_info.peer_address, sparkple_pair_link_port)"
+            )
+        generation = side.get("generation")
+        if not isinstance(generation, int) or isinstance(generation, bool):
+            side["generation"] = None  # never compared as a number unless it is one
+        return side, None
+
+    def side(self, st: dict[str, Any]) -> dict[str, Any]:
+        now = time.time()
+        return {
+            "pair": self.args.pair,
+            "host": self.args.pair_host,
+            "rank": self.args.pair_rank,
+            "role": self.pair_role,
+            "unit_active": self.unit_active,
+            "state": st["state"],
+            "manual_stop": manual_stop_path(self.state_dir).exists(),
+            "generation": st["pair"]["generation"],
+            "want_worker": st["pair"].get("want_worker"),
+            "start_exit": st["pair"].get("start_exit"),
+            "incidents": [
+                {"kind": m["kind"], "time": m["time"], "reason": m.get("reason")}
+                for m in read_markers(self.state_dir, INCIDENT_KINDS - {PAIR_BROKEN}, now - 86400)
+            ],
+            "updated": st.get("updated", now),
+        }
+
+    def observe(self, st: dict[str, Any], now: float) -> None:
+        """This check's view of the own unit and of the peer, kept in the state for `status`."""
+        self.unit_active = self.running()
+        pair = st["pair"]
+        if self.link_error != pair["link_error"]:
+            if self.link_error:
+                self.record(st, now, "link-error", error=self.link_error)
+            pair["link_error"] = self.link_error
+        if self.peer_problem and self.peer_problem != pair.get("peer_problem"):
+            self.record(st, now, "peer-mismatch", error=self.peer_problem)
+        pair["peer_problem"] = self.peer_problem
+        view = pair["peer"]
+        if self.peer is None:
+            if view.get("reachable"):
+                self.record(st, now, "peer-unreachable", url=self.args.pair_peer_url)
+            view["reachable"] = False
+            return
+        if not view.get("reachable"):
+            self.record(st, now, "peer-reachable", host=self.peer.get("host"))
+        view.update(
+            {k: self.peer.get(k) for k in ("host", "unit_active", "state", "manual_stop")},
+            generation=self.peer.get("generation"),
+            reachable=True,
+            seen_at=now,
+        )
+
+    def peer_lost(self, st: dict[str, Any], now: float) -> bool:
+        """Unreachable for longer than the bound (counted from this program's start at most:
+        a supervisor restarted by systemd gives its peer the whole bound)."""
+        if self.peer is not None:
+            return False
+        seen = max(float(st["pair"]["peer"].get("seen_at") or 0.0), self.started_at)
+        return now - seen > self.args.pair_peer_timeout_s
+
+    def hands_off_pair(self, st: dict[str, Any], now: float) -> bool:
+        """The manual-stop flag of either node (the peer's as last seen): nothing is started
+        or stopped."""
+        if manual_stop_path(self.state_dir).exists():
+            self.hands_off(st, now, "flag present; hands off the pair")
+            return True
+        if st["pair"]["peer"].get("manual_stop"):
+            host = st["pair"]["peer"].get("host")
+            self.hands_off(st, now, f"the manual-stop flag of {host}; hands off the pair")
+            return True
+        return False
+
+    def run(self) -> int:
+        host, port = self.link.address
+        log(
+            f"pair {self.args.pair}: {self.pair_role} {self.args.pair_host}, serving its side on "
+            f"http://{host}:{port}/pair, reading {self.link.peer_url}"
+        )
+        try:
+            return super().run()
+        finally:
+            self.link.close()
+
+
+class PairLeader(PairMember):
+    """The head's supervisor: launches, watches and relaunches the pair, counting it once."""
+
+    pair_role = "head"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        self.kinds = {PAIR_BROKEN}  # each break once, whatever caused it, on either node
+
+    def fresh_pair(self) -> dict[str, Any]:
+        return {
+            **super().fresh_pair(),
+            "generation": 0,
+            "want_worker": None,  # None: not decided since this state began; the worker waits
+            "head_started": False,
+            "up": False,
+            "up_since": None,
+            "stopping_since": None,
+        }
+
+    def step(self, st: dict[str, Any], now: float) -> None:
+        self.observe(st, now)
+        pair = st["pair"]
+        if self.hands_off_pair(st, now):
+            # the units are the operator's now: afterwards the pair is adopted or relaunched
+            pair.update(up=False, head_started=False, stopping_since=None)
+            return
+        if self.latched(st, now):
+            pair["want_worker"] = False
+            return
+        if st["launch_at"] is not None and not pair["head_started"]:
+            self.await_worker(st, now)
+            return
+        worker = self.worker_state(st, now)
+        head = self.unit_active
+        if pair["up"]:
+            if not head or worker in ("down", "lost"):
+                self.break_pair(st, now, worker)
+                return
+            st.update(down_since=None, next_attempt_at=None)
+            if st["launch_at"] is None:
+                st["state"] = "running"
+            elif not self.watch_launch(st, now):
+                # missed the readiness deadline: watch_launch stopped the head and counted it
+                pair.update(want_worker=False, up=False, head_started=False, stopping_since=now)
+                self.after_failure(st, now)
+            return
+        if head:
+            if self.adopt(st, now):
+                return
+            if worker == "unknown":
+                st["state"] = "starting"  # the worker's side is not known yet
+                return
+            # a head without its worker (started by hand, or left by a state that was lost)
+            stop = run_command(self.args.stop_cmd, self.values, timeout_s=self.args.stop_timeout_s)
+            self.unit_active = self.running()
+            self.record(st, now, "half-pair-stopped", worker=worker, stop_exit=stop.returncode)
+        self.pair_down(st, now)
+
+    def worker_state(self, st: dict[str, Any], now: float) -> str:
+        """up: its unit runs for this generation; down; unknown: unreachable for now; lost:
+        unreachable past the bound."""
+        if self.peer is None:
+            return "lost" if self.peer_lost(st, now) else "unknown"
+        mine = self.peer.get("generation")
+        if self.peer.get("unit_active") and mine in (None, st["pair"]["generation"]):
+            return "up"
+        return "down"
+
+    def adopt(self, st: dict[str, Any], now: float) -> bool:
+        """Both units run but this supervisor did not launch them (after a manual stop, a
+        restart with a fresh state): take the pair over, watched to readiness, no relaunch."""
+        pair, peer = st["pair"], self.peer
+        if peer is None or not peer.get("unit_active"):
+            return False
+        theirs = peer.get("generation")
+        if theirs is not None and theirs < pair["generation"]:
+            return False  # a worker of an older launch: its head is gone
+        pair["generation"] = max(pair["generation"], theirs or 0)
+        pair.update(want_worker=True, head_started=True, up=True, up_since=now)
+        pair["stopping_since"] = None
+        st.update(state="launched", launch_at=now, ready_at=None, healthy_since=None)
+        st.update(down_since=None, next_attempt_at=None)
+        self.record(st, now, "adopted", generation=pair["generation"], worker=peer.get("host"))
+        return True
+
+    def await_worker(self, st: dict[str, Any], now: float) -> None:
+        """A launch before the head's start: the worker must report its unit active for this
+        generation within the readiness deadline."""
+        pair, peer = st["pair"], self.peer
+        after = round(now - st["launch_at"], 1)
+        if peer is not None and peer.get("generation") == pair["generation"]:
+            if not peer.get("unit_active"):  # its start failed, or it exited already
+                self.launch_failed(
+                    st, now, "launch-failed", side="worker", start_exit=peer.get("start_exit")
+                )
+                return
+            self.record(st, now, "worker-joined", after_s=after, worker=peer.get("host"))
+            start = run_command(
+                self.args.start_cmd, self.values, timeout_s=self.args.start_timeout_s
+            )
+            self.unit_active = self.running()
+            if not start.ok:
+                self.launch_failed(
+                    st, now, "launch-failed", side="head", exit=start.returncode,
+                    stderr=start.stderr[-500:],
+                )  # fmt: skip
+                return
+            pair.update(head_started=True, up=True, up_since=now)
+            self.record(st, time.time(), "head-started", after_s=round(time.time() - now, 1))
+            st["state"] = "launched"
+            return
+        if now - st["launch_at"] < self.args.ready_timeout_s:
+            st["state"] = "launched"
+            return
+        self.launch_failed(st, now, "ready-timeout", after_s=after, worker="never joined")
+        self.alerter.send(
+            "not-ready",
+            f"pair {self.args.pair}: the worker did not join within "
+            f"{self.args.ready_timeout_s:g} s of the launch; will relaunch after the backoff",
+            {"after_s": after, "launch_failures": st["launch_failures"]},
+        )
+
+    def launch_failed(self, st: dict[str, Any], now: float, event: str, **details: Any) -> None:
+        """Stop both (the head's unit if it came up, the worker's by dropping want_worker),
+        count the launch once, back off."""
+        if self.unit_active:
+            run_command(self.args.stop_cmd, self.values, timeout_s=self.args.stop_timeout_s)
+            self.unit_active = self.running()
+        st["launch_failures"] += 1
+        self.record(st, now, event, generation=st["pair"]["generation"], **details)
+        st["pair"].update(want_worker=False, up=False, head_started=False, stopping_since=now)
+        st.update(launch_at=None, ready_at=None, healthy_since=None)
+        self.after_failure(st, now)
+
+    def after_failure(self, st: dict[str, Any], now: float) -> None:
+        st.update(down_since=now, next_attempt_at=now + self.delay(st["restarts"]))
+        if not self.hold_if_exhausted(st, now):
+            st["state"] = "backoff"
+
+    def break_pair(self, st: dict[str, Any], now: float, worker: str) -> None:
+        """One side of a running pair is gone: stop the other at once, record one incident."""
+        pair = st["pair"]
+        head = self.unit_active
+        if head:
+            cause = "worker-down" if worker == "down" else "worker-unreachable"
+        else:
+            cause = "both-down" if worker == "down" else "head-down"
+        stop_exit = None
+        if head:
+            stop = run_command(self.args.stop_cmd, self.values, timeout_s=self.args.stop_timeout_s)
+            stop_exit = stop.returncode
+            self.unit_active = self.running()
+        since = float(pair["up_since"] or now)
+        explained = [
+            f"{m['kind']} on {self.args.pair_host}"
+            for m in read_markers(self.state_dir, INCIDENT_KINDS - {PAIR_BROKEN}, since)
+        ] + [
+            f"{m.get('kind')} on {(self.peer or {}).get('host')}"
+            for m in (self.peer or {}).get("incidents") or []
+            if isinstance(m, dict) and float(m.get("time") or 0) >= since
+        ]
+        worker_host = pair["peer"].get("host")
+        reason = (
+            f"pair {self.args.pair}: {cause} (head {self.args.pair_host}, worker {worker_host})"
+        )
+        marker = write_marker(
+            self.state_dir,
+            PAIR_BROKEN,
+            now,
+            {"reason": reason, "cause": cause, "generation": pair["generation"],
+             "head": self.args.pair_host, "worker": worker_host, "explained_by": explained},
+        )  # fmt: skip
+        self.record(
+            st, now, "pair-broken", cause=cause, generation=pair["generation"],
+            after_s=round(now - since, 1), explained_by=explained, stop_exit=stop_exit,
+            marker=str(marker),
+        )  # fmt: skip
+        self.alerter.send("pair-broken", f"{reason}; stopped both, relaunching after the backoff")
+        pair.update(want_worker=False, up=False, head_started=False, stopping_since=now)
+        st.update(launch_at=None, ready_at=None, healthy_since=None, state="backoff")
+        st.update(down_since=now, next_attempt_at=now + self.delay(st["restarts"]))
+        self.pair_stopped(st, time.time())
+
+    def pair_stopped(self, st: dict[str, Any], now: float) -> bool:
+        """After a break or a failed launch: True once both units are down (recorded once), or
+        the worker's supervisor is unreachable past the bound (it stops its unit itself then)."""
+        pair = st["pair"]
+        if pair["stopping_since"] is None:
+            return True
+        if self.unit_active:
+            return False
+        if self.peer is not None and self.peer.get("unit_active"):
+            return False
+        if self.peer is None and not self.peer_lost(st, now):
+            return False
+        worker = "stopped" if self.peer is not None else "unreachable"
+        after = round(now - pair["stopping_since"], 2)
+        self.record(st, now, "pair-stopped", after_s=after, worker=worker)
+        pair["stopping_since"] = None
+        return True
+
+    def pair_down(self, st: dict[str, Any], now: float) -> None:
+        """The head's unit is down and the pair is not up: back off, then launch both."""
+        pair = st["pair"]
+        pair["want_worker"] = False
+        if not self.pair_stopped(st, now):
+            st["state"] = "backoff"  # the worker's unit is still going down
+            return
+        self.check_table_io(st, now)
+        if st["down_since"] is None:
+            self.record(st, now, "down")
+            st.update(down_since=now, next_attempt_at=now + self.delay(st["restarts"]))
+        if self.hold_if_exhausted(st, now):
+            return
+        if now < st["next_attempt_at"]:
+            st["state"] = "backoff"
+            return
+        waited = round(now - st["down_since"], 2)
+        backoff = round(st["next_attempt_at"] - st["down_since"], 3)
+        self.clean_shm(st, now)
+        st["restarts"] += 1
+        # past any generation the worker has seen, should this state have been lost
+        theirs = (self.peer or {}).get("generation")
+        latest = max(pair["generation"], theirs if isinstance(theirs, int) else 0)
+        pair.update(generation=latest + 1, want_worker=True, head_started=False)
+        self.record(
+            st, now, "relaunch", attempt=st["restarts"], waited_s=waited, backoff_s=backoff,
+            generation=pair["generation"],
+        )  # fmt: skip
+        st.update(state="launched", launch_at=now, down_since=None, next_attempt_at=None)
+        st.update(ready_at=None, healthy_since=None)
+
+    def restart_unit(self, st: dict[str, Any], now: float) -> tuple[bool, dict[str, Any]]:
+        """The weekly relaunch of a pair: stop the head and drop want_worker; the loop then
+        relaunches both, worker first, without a backoff and without counting an incident."""
+        stop = run_command(self.args.stop_cmd, self.values, timeout_s=self.args.stop_timeout_s)
+        st["pair"].update(want_worker=False, up=False, head_started=False, stopping_since=now)
+        st.update(state="backoff", launch_at=None, ready_at=None, healthy_since=None)
+        st.update(down_since=now, next_attempt_at=now)
+        return stop.ok, {"stop_exit": stop.returncode, "pair": "both relaunched, worker first"}
+
+
+class PairFollower(PairMember):
+    """The worker's supervisor: runs its unit while, and for the generation, the head wants."""
+
+    pair_role = "worker"
+
+    def fresh_pair(self) -> dict[str, Any]:
+        return {**super().fresh_pair(), "start_exit": None}
+
+    def step(self, st: dict[str, Any], now: float) -> None:
+        self.observe(st, now)
+        if self.hands_off_pair(st, now):
+            return
+        head = self.peer
+        if head is None:
+            if self.unit_active and self.peer_lost(st, now):
+                self.stop_unit(st, now, "head-unreachable")  # a worker without its head hangs
+            st["state"] = "running" if self.unit_active else "standby"
+            return
+        wanted, generation = head.get("want_worker"), head.get("generation")
+        mine = st["pair"]["generation"]
+        if wanted is None or not isinstance(generation, int):
+            st["state"] = "running" if self.unit_active else "standby"
+            return
+        if not wanted:
+            if self.unit_active:
+                self.stop_unit(st, now, "head-does-not-want-it")
+            st["state"] = "standby"
+            return
+        if self.unit_active:
+            if mine is None:  # running, but not started by this supervisor's state: adopt it
+                st["pair"]["generation"] = mine = generation
+                self.record(st, now, "adopted", generation=generation)
+            if mine == generation:
+                st["state"] = "running"
+                return
+            self.stop_unit(st, now, "generation-moved-on")  # its head is gone: it hangs
+        elif mine == generation:
+            st["state"] = "standby"  # its unit for this launch went down: the head relaunches
+            return
+        self.clean_shm(st, now)
+        start = run_command(self.args.start_cmd, self.values, timeout_s=self.args.start_timeout_s)
+        self.unit_active = self.running()
+        st["pair"].update(generation=generation, start_exit=start.returncode)
+        self.record(
+            st, now, "worker-started", generation=generation, exit=start.returncode,
+            stderr=start.stderr[-500:],
+        )  # fmt: skip
+        st["state"] = "running" if self.unit_active else "standby"
+
+    def stop_unit(self, st: dict[str, Any], now: float, reason: str) -> None:
+        stop = run_command(self.args.stop_cmd, self.values, timeout_s=self.args.stop_timeout_s)
+        self.unit_active = self.running()
+        self.record(st, now, "worker-stopped", reason=reason, exit=stop.returncode)
+
+
+def make_supervisor(args: argparse.Namespace) -> Supervisor:
+    """The single Spark's supervisor, or a pair node's (--pair-rank 0: leads; 1: follows)."""
+    if getattr(args, "pair_rank", None) is None:
+        return Supervisor(args)
+    return PairLeader(args) if args.pair_rank == 0 else PairFollower(args)

@@ -1,0 +1,359 @@
+"""A pair as one unit of service: two real supervisors (the head's leads, the worker's follows)
+on 127.0.0.1, each serving its pair link on its own port, each managing a real process as its
+serving unit (tests/ops/pair_units.py: an HTTP server whose /health answers 200)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from lab_inputs import free_port
+from ops_helpers import ROOT, above_real_memory, program, read_json, wait_for, watchdog_cmd
+
+from sparkple.ops.pairlink import PAIR_FIELDS
+from sparkple.ops.state import PAIR_BROKEN, SUPERVISOR_STATES, count_markers
+
+UNITS = Path(__file__).with_name("pair_units.py")
+BASE = 0.5  # backoff base (s)
+READY_S = 10.0
+
+
+class Node:
+    """One Spark of the pair: its state dir, its unit, its link port."""
+
+    def __init__(self, root: Path, role: str) -> None:
+        self.role = role
+        self.rank = 0 if role == "head" else 1
+        self.host = f"spark-{role}"
+        self.state = root / f"state-{role}"
+        self.unit = root / role
+        self.unit.mkdir(parents=True)
+        self.port = free_port()
+        (self.unit / "port").write_text(f"{self.port}\n")
+        self.link = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def cmd(self, command: str) -> str:
+        return f"'{sys.executable}' -S '{UNITS}' {command} '{self.unit}'"
+
+    def run_unit(self, command: str) -> int:
+        words = [sys.executable, "-S", str(UNITS), command, str(self.unit)]
+        return subprocess.run(words, timeout=60).returncode
+
+    def active(self) -> bool:
+        return self.run_unit("is-active") == 0
+
+    def kill_unit(self) -> None:
+        """What a crash does: SIGKILL, no stop command."""
+        os.kill(int((self.unit / "pid").read_text()), signal.SIGKILL)
+
+    def supervisor(self, peer: Node, *extra: object) -> list[str]:
+        return program(
+            "supervisor", "run",
+            "--state-dir", self.state,
+            "--check-cmd", self.cmd("is-active"),
+            "--start-cmd", self.cmd("start"),
+            "--stop-cmd", self.cmd("stop"),
+            "--poll-s", 0.2,
+            "--backoff-base-s", BASE,
+            "--backoff-cap-s", 30,
+            "--stable-s", 60,
+            "--ready-timeout-s", READY_S,
+            "--shm-patterns", "",
+            "--pair", "p1",
+            "--pair-rank", self.rank,
+            "--pair-host", self.host,
+            "--pair-listen", f"127.0.0.1:{self.link}",
+            "--pair-peer-url", f"http://127.0.0.1:{peer.link}",
+            "--pair-peer-timeout-s", 2,
+            *(("--url", self.url) if self.role == "head" else ()),
+            *extra,
+        )  # fmt: skip
+
+    def st(self) -> dict:
+        return read_json(self.state / "supervisor.json")
+
+    def events(self, name: str, since: float = 0.0) -> list[dict]:
+        history = self.st().get("history", [])
+        return [h for h in history if h["event"] == name and h["time"] >= since]
+
+    def side(self) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.link}/pair", timeout=5) as r:
+            return json.loads(r.read())
+
+    def ops(self, *args: object) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            program("supervisor", *args, "--state-dir", self.state),
+            capture_output=True, text=True, timeout=30, check=True,
+        )  # fmt: skip
+
+
+@pytest.fixture
+def pair(tmp_path):
+    head, worker = Node(tmp_path, "head"), Node(tmp_path, "worker")
+    yield head, worker
+    for node in (head, worker):
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int((node.unit / "pid").read_text()), signal.SIGKILL)
+
+
+def starts(root: Path) -> list[str]:
+    log = root / "starts.log"
+    return log.read_text().split() if log.exists() else []
+
+
+def running(head: Node) -> bool:
+    st = head.st()
+    return st.get("state") == "running" and bool(st.get("ready_at"))
+
+
+def up_and_ready(head: Node, worker: Node, what: str, timeout_s: float = 30) -> None:
+    wait_for(
+        lambda: head.st().get("ready_at") and worker.st().get("state") == "running", timeout_s, what
+    )
+
+
+def test_the_worker_starts_first_and_a_killed_worker_stops_both_and_both_come_back(
+    tmp_path, pair, procs
+):
+    head, worker = pair
+    procs(worker.supervisor(head))
+    procs(head.supervisor(worker))
+    up_and_ready(head, worker, "the pair launched")
+    assert starts(tmp_path) == ["worker", "head"], "the worker's unit starts first"
+    [launch] = head.events("relaunch")
+    [joined] = head.events("worker-joined")
+    [started] = head.events("head-started")
+    assert launch["generation"] == 1 and launch["time"] <= joined["time"] <= started["time"]
+    assert worker.events("worker-started")[0]["generation"] == 1
+    side = head.side()
+    assert set(side) == set(worker.side()) == set(PAIR_FIELDS)
+    assert side["want_worker"] is True and side["generation"] == 1 and side["unit_active"]
+    assert worker.side()["generation"] == 1 and worker.side()["role"] == "worker"
+
+    killed = time.time()
+    worker.kill_unit()
+    [broken] = wait_for(lambda: head.events("pair-broken"), 10, "the break")
+    assert broken["cause"] == "worker-down" and broken["generation"] == 1
+    [stopped] = wait_for(lambda: head.events("pair-stopped"), 10, "both stopped")
+    assert not head.active() and not worker.active()
+    assert stopped["time"] - killed < 5, "both stopped within a few seconds"
+    wait_for(lambda: len(head.events("ready")) == 2, 30, "both relaunched and the head healthy")
+    assert starts(tmp_path) == ["worker", "head", "worker", "head"]
+    [again] = head.events("relaunch", since=killed)
+    # the second launch of the streak (the first was not yet stable): base x 2
+    assert again["generation"] == 2 and again["backoff_s"] == 2 * BASE
+    assert again["waited_s"] >= 2 * BASE and again["time"] >= stopped["time"]
+    ready = head.events("ready")[-1]
+    assert head.active() and worker.active() and head.st()["state"] == "running"
+    # one incident for the pair, counted by its head's breaker; the worker counts nothing
+    assert count_markers(head.state, {PAIR_BROKEN}) == {PAIR_BROKEN: 1}
+    assert not (worker.state / "markers").exists()
+    assert head.events("launch-failed") == [] and head.st()["launch_failures"] == 0
+    print(
+        f"worker killed: both stopped in {stopped['time'] - killed:.1f} s, "
+        f"healthy again in {ready['time'] - killed:.1f} s, 1 incident"
+    )
+
+    shown = head.ops("status", "--json")
+    rep = json.loads(shown.stdout)
+    assert rep["pair"]["name"] == "p1" and rep["pair"]["role"] == "head"
+    assert rep["pair"]["peer"] == "spark-worker" and rep["pair"]["peer_reachable"]
+    assert rep["pair"]["generation"] == 2 and rep["pair"]["peer_generation"] == 2
+    assert [m["kind"] for m in rep["incidents_24h"]] == [PAIR_BROKEN]
+    text = worker.ops("status").stdout
+    assert re.search(r"pair p1: worker spark-worker, peer spark-head reachable \(unit active", text)
+    assert "generation 2" in text, text
+
+
+def test_a_killed_head_stops_the_worker_and_both_come_back(tmp_path, pair, procs):
+    head, worker = pair
+    procs(worker.supervisor(head))
+    procs(head.supervisor(worker))
+    up_and_ready(head, worker, "the pair launched")
+    killed = time.time()
+    head.kill_unit()
+    [broken] = wait_for(lambda: head.events("pair-broken"), 10, "the break")
+    assert broken["cause"] == "head-down"
+    [stopped] = wait_for(lambda: head.events("pair-stopped"), 10, "the worker stopped")
+    assert stopped["worker"] == "stopped" and stopped["time"] - killed < 5
+    [why] = worker.events("worker-stopped")
+    assert why["reason"] == "head-does-not-want-it" and why["exit"] == 0
+    wait_for(lambda: len(head.events("ready")) == 2, 30, "both relaunched")
+    assert starts(tmp_path) == ["worker", "head", "worker", "head"]
+    assert head.active() and worker.active()
+    assert count_markers(head.state, {PAIR_BROKEN}) == {PAIR_BROKEN: 1}
+
+
+def test_a_worker_that_never_joins_fails_the_launch_within_the_readiness_deadline(
+    tmp_path, pair, procs
+):
+    """No worker supervisor answers: the head's unit is never started, the launch fails at the
+    readiness deadline, counted once, and nothing of the pair runs."""
+    head, worker = pair
+    procs(head.supervisor(worker, "--ready-timeout-s", 2, "--hold-after", 1))
+    wait_for(lambda: head.st().get("state") == "hold", 20, "the failed launch")
+    [timeout] = head.events("ready-timeout")
+    assert timeout["worker"] == "never joined" and 2 <= timeout["after_s"] < 5
+    assert head.st()["launch_failures"] == 1 and head.side()["want_worker"] is False
+    assert starts(tmp_path) == [] and not head.active()
+
+
+def test_a_worker_whose_start_fails_fails_the_launch_at_once(tmp_path, pair, procs):
+    head, worker = pair
+    procs(worker.supervisor(head, "--start-cmd", "false"))
+    procs(head.supervisor(worker, "--hold-after", 2))
+    wait_for(lambda: head.st().get("state") == "hold", 20, "two failed launches")
+    failed = head.events("launch-failed")
+    assert [(f["side"], f["start_exit"], f["generation"]) for f in failed] == [
+        ("worker", 1, 1),
+        ("worker", 1, 2),
+    ]
+    assert head.events("ready-timeout") == [] and starts(tmp_path) == []
+    # the worker started once per launch, never again for the same one
+    assert [s["generation"] for s in worker.events("worker-started")] == [1, 2]
+
+
+def test_a_manual_stop_is_hands_off_and_resume_adopts_the_running_pair(tmp_path, pair, procs):
+    """What a pair's rollout does: the flag on both, stop the head then the worker, start the
+    worker then the head, clear both flags: nothing is relaunched, the pair is adopted."""
+    head, worker = pair
+    procs(worker.supervisor(head))
+    procs(head.supervisor(worker))
+    up_and_ready(head, worker, "the pair launched")
+    since = time.time()
+    head.ops("manual-stop", "--reason", "rollout")
+    wait_for(lambda: worker.st().get("state") == "manual-stop", 10, "the worker hands off too")
+    # the head's flag alone: the worker's supervisor leaves its stopped unit alone
+    assert worker.run_unit("stop") == 0
+    time.sleep(1.0)
+    assert not worker.active() and worker.events("worker-started", since) == []
+    worker.ops("manual-stop", "--reason", "rollout")
+    assert head.run_unit("stop") == 0
+    time.sleep(1.0)
+    assert worker.run_unit("start") == 0 and head.run_unit("start") == 0
+    head.ops("resume")
+    time.sleep(1.0)
+    assert head.st()["state"] == "manual-stop", "the worker's flag is still set"
+    worker.ops("resume")
+    [adopted] = wait_for(lambda: head.events("adopted", since), 10, "the pair adopted")
+    assert adopted["generation"] == 1
+    wait_for(lambda: running(head) and head.events("ready", since), 10, "running again")
+    assert worker.st()["state"] == "running"
+    time.sleep(1.0)
+    for node, names in (
+        (head, {"relaunch", "pair-broken", "launch-failed", "ready-timeout", "half-pair-stopped"}),
+        (worker, {"worker-started", "worker-stopped"}),
+    ):
+        later = [h["event"] for h in node.st()["history"] if h["time"] >= since]
+        assert not names & set(later), later
+    assert starts(tmp_path) == ["worker", "head", "worker", "head"]  # the rollout's starts only
+    assert head.side()["generation"] == worker.side()["generation"] == 1
+
+
+def test_emergency_stops_on_the_worker_count_once_each_until_the_breaker_opens(
+    tmp_path, pair, procs
+):
+    """The real watchdog on the worker's node (floor above this machine's memory) stops the
+    worker's unit each time it runs: each stop is one pair incident, explained by the worker's
+    emergency marker, and the head's breaker opens at its count with both units stopped."""
+    head, worker = pair
+    procs(worker.supervisor(head))
+    procs(head.supervisor(worker, "--breaker-count", 2))
+    up_and_ready(head, worker, "the pair launched")
+    procs(
+        watchdog_cmd(
+            worker.state,
+            "--avail-floor-mib",
+            above_real_memory(),
+            "--running-cmd",
+            worker.cmd("is-active"),
+            "--stop-cmd",
+            worker.cmd("stop"),
+            "--logs-cmd",
+            "true",
+            interval_s=0.2,
+        )  # fmt: skip
+    )
+    wait_for(lambda: head.st().get("state") == "breaker-open", 60, "the breaker")
+    broken = head.events("pair-broken")
+    assert len(broken) == 2
+    assert all(b["explained_by"] == ["emergency on spark-worker"] for b in broken), broken
+    assert count_markers(head.state, {PAIR_BROKEN}) == {PAIR_BROKEN: 2}
+    assert len(head.events("breaker-open")[0]["incidents"]) == 2
+    wait_for(lambda: not head.active() and not worker.active(), 10, "both stopped")
+    time.sleep(1.0)
+    assert not head.active() and not worker.active(), "nothing relaunched while it is open"
+
+
+def test_pair_flags_are_checked():
+    bad = subprocess.run(
+        program("supervisor", "run", "--state-dir", "/nonexistent", "--pair-rank", "0"),
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "--pair-listen '': use ADDRESS:PORT" in bad.stderr
+    bad = subprocess.run(
+        program(
+            "supervisor", "run", "--state-dir", "/nonexistent", "--pair-rank", "1",
+            "--pair-listen", "127.0.0.1:8470",
+        ),
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "--pair-rank needs --pair NAME and --pair-peer-url" in bad.stderr
+
+
+def test_every_state_the_pair_supervisors_write_has_a_gauge():
+    source = (ROOT / "sparkple" / "ops" / "pairing.py").read_text()
+    written = set(re.findall(r"""(?:state=|"state": |\["state"\] = )"([a-z-]+)\"""", source))
+    assert {"standby", "launched", "starting"} <= written
+    assert written <= set(SUPERVISOR_STATES)
+
+
+def test_the_weekly_relaunch_on_the_head_relaunches_both_worker_first_without_an_incident(
+    tmp_path, pair, procs
+):
+    head, worker = pair
+    procs(worker.supervisor(head))
+    procs(head.supervisor(worker))
+    up_and_ready(head, worker, "the pair launched")
+    since = time.time()
+    # the loop's flags (after "run"), without the smoke generation (the stand-in has no API)
+    loop_flags = [*head.supervisor(worker)[4:], "--url", ""]
+    done = subprocess.run(
+        [*program("supervisor", "relaunch"), *loop_flags],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert head.events("maintenance-relaunch", since)[0]["stop_exit"] == 0
+    wait_for(lambda: running(head) and head.events("ready", since), 20, "both relaunched")
+    assert starts(tmp_path) == ["worker", "head", "worker", "head"]
+    [relaunched] = head.events("relaunch", since)
+    assert relaunched["generation"] == 2 and relaunched["backoff_s"] == 0
+    assert head.events("pair-broken") == [] and not (head.state / "markers").exists()
+    skipped = subprocess.run(
+        [*program("supervisor", "relaunch"), *worker.supervisor(head)[4:]],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert skipped.returncode == 0 and "the head's relaunch relaunches the pair" in skipped.stdout
+
+
+def test_a_reset_without_the_pair_flags_keeps_the_pairs_state(tmp_path, pair, procs):
+    """`sparkple-ops reset` passes the state dir alone: the head's generation survives it, so
+    the next launch is a new one for the worker too."""
+    head, worker = pair
+    procs(worker.supervisor(head))
+    sup = procs(head.supervisor(worker))
+    up_and_ready(head, worker, "the pair launched")
+    sup.terminate()
+    sup.wait(10)
+    head.ops("reset")
+    assert head.st()["pair"]["generation"] == 1 and head.st()["state"] == "reset"
