@@ -83,6 +83,13 @@ def check(parser, request: dict) -> dict:
         "gpu_memory_utilization": engine_args.gpu_memory_utilization,
         "hf_overrides": engine_args.hf_overrides,
         "async_scheduling": engine_args.async_scheduling,
+        # a pair's node (sparkple.serving.pair)
+        "tensor_parallel_size": engine_args.tensor_parallel_size,
+        "nnodes": engine_args.nnodes,
+        "node_rank": engine_args.node_rank,
+        "master_addr": engine_args.master_addr,
+        "master_port": engine_args.master_port,
+        "headless": ns.headless,
     }
     engine: dict = {}
     try:
@@ -141,6 +148,18 @@ def engine_values(config) -> dict:
         },
         "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
         "device_type": str(config.device_config.device_type),
+        "parallel": {
+            name: getattr(config.parallel_config, name, None)
+            for name in (
+                "tensor_parallel_size",
+                "world_size",
+                "nnodes",
+                "node_rank",
+                "master_addr",
+                "master_port",
+                "distributed_executor_backend",
+            )
+        },  # fmt: skip
     }
 
 
