@@ -73,6 +73,10 @@ def test_the_readme_worked_example_per_rank() -> None:
     assert (rank.gpu_memory_utilization, round(rank.kv_left_gib, 2)) == (0.493, 16.05)
     assert rank.container_memory_mib / 1024 == pytest.approx(67.01, abs=0.01)
     assert rank.launch_need_mib == rank.container_memory_mib + 4096
+    # the KV target is the knob that turns the freed half into KV cache
+    more = compute_budget(NVFP4, recipe(), MEMTOTAL, BudgetKnobs(kv_target_gib=48), tp_size=2)
+    assert (more.gpu_memory_utilization, round(more.kv_left_gib, 2)) == (0.76, 48.01)
+    assert more.container_memory_mib / 1024 == pytest.approx(98.97, abs=0.01)
     with pytest.raises(ServingError, match="tensor parallel size 4"):
         compute_budget(NVFP4, recipe(), MEMTOTAL, BudgetKnobs(), tp_size=4)
 
@@ -114,3 +118,25 @@ def test_the_plan_command_takes_the_pair(snapshot: Path) -> None:
     ):
         proc = run_plan(snapshot, *more)
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+def test_the_documented_inventories_describe_a_valid_pair() -> None:
+    """README, Two Sparks, and inventory/example/hosts.yml's commented pair, as sparkple reads
+    them (the same checks the roles' filter runs)."""
+    import re
+
+    import yaml
+
+    from sparkple.serving.pair import pairs_of
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Two Sparks\n", 1)[1]
+    (block,) = re.findall(r"### The inventory\n.*?```yaml\n(.*?)```", section, re.S)
+    example = (ROOT / "inventory/example/hosts.yml").read_text()
+    commented = [line[6:] for line in example.splitlines() if line.startswith("    # ") and
+                 re.match(r"    # ( {2})?[a-z_0-9-]+:", line)]  # fmt: skip
+    uncommented = yaml.safe_load("\n".join(commented))
+    for hosts in (yaml.safe_load(block)["sparks"]["hosts"], uncommented):
+        (pair,) = pairs_of(hosts).values()
+        assert (pair.head.host, pair.worker.host) == ("spark-04", "spark-05")
+        assert pair.vllm_args("spark-05")[-1] == "--headless"
