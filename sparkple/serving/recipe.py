@@ -228,7 +228,8 @@ class Recipe:
                 raise ServingError(
                     f"vllm_service_extra_args holds {arg!r}: no newlines or NUL bytes"
                 )
-            flag = arg.split("=", 1)[0].replace("_", "-") if arg.startswith("--") else ""
+            name = arg.split("=", 1)[0]
+            flag = name.replace("_", "-") if arg.startswith("--") else PAIR_SHORT.get(name, "")
             if flag in OWNED_FLAGS:
                 raise ServingError(
                     f"vllm_service_extra_args sets {flag}, which the recipe sets from "
@@ -346,6 +347,8 @@ PAIR_FLAGS: dict[str, Any] = {
     "--headless": None,
 }
 PAIR_OWNER = "the pair (sparkple_pair and sparkple_pair_*; README, Two Sparks)"
+# vLLM 0.33's short forms of the pair's flags (engine/arg_utils.py; -tp: PLE_UNSERVABLE below).
+PAIR_SHORT = {"-n": "--nnodes", "-r": "--node-rank"}
 
 # Every flag the plan may write: flag -> how vLLM reads its value (None: a switch).
 ACCEPTED_FLAGS: dict[str, Any] = {

@@ -86,7 +86,8 @@ def test_the_pair_flags_are_the_pairs_alone() -> None:
                  "--master-port", "--headless"):  # fmt: skip
         assert flag in ACCEPTED_FLAGS and "the pair" in OWNED_FLAGS[flag]
     assert ACCEPTED_FLAGS["--headless"] is None and ACCEPTED_FLAGS["--master-port"] is int
-    for args in (("--master-addr=10.0.0.1",), ("--node-rank", "1"), ("-tp", "2")):
+    for args in (("--master-addr=10.0.0.1",), ("--node-rank", "1"), ("-tp", "2"), ("-n", "1"),
+                 ("-r=0",), ("--master_port=1",)):  # fmt: skip
         with pytest.raises(ServingError, match="pair"):
             recipe(extra_args=args).check(mtp_layers=1)
 
