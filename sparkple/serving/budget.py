@@ -13,6 +13,12 @@
     above MemTotal - host floor;
   - the launch gate: MemAvailable >= container memory + margin, right before each start.
 
+A pair (two Sparks at TP 2, one rank each) is budgeted per rank: each rank holds half the
+weights (vLLM shards every layer, the MTP layers included, across the TP group); the PLE rows
+stay on NVMe either way, and the overhead, the MTP runtime and the KV need are kept at the
+single-Spark figures (measured on one Spark; the KV heads are split across the ranks too, so
+the KV need is an upper bound per rank).
+
 Standard library only: the role runs it with the host's python3.
 """
 
@@ -137,9 +143,16 @@ def kv_need_bytes(max_model_len: int, kv_cache_dtype: str) -> int:
 
 
 def compute_budget(
-    sizes: SnapshotSizes, recipe: Recipe, mem_total_bytes: int, knobs: BudgetKnobs
+    sizes: SnapshotSizes,
+    recipe: Recipe,
+    mem_total_bytes: int,
+    knobs: BudgetKnobs,
+    tp_size: int = 1,
 ) -> Budget:
-    """The budget (docs/reference-deployment.md#memory-budget); ServingError when it cannot work."""
+    """The budget of one rank on its own Spark (docs/reference-deployment.md#memory-budget;
+    tp_size 2: a pair's rank, holding half the weights); ServingError when it cannot work."""
+    if tp_size not in (1, 2):
+        raise ServingError(f"tensor parallel size {tp_size}: sparkple serves 1 (a Spark) or 2")
     for name, value in asdict(knobs).items():
         if not isinstance(value, int | float) or value < 0 or math.isnan(value):
             raise ServingError(f"vllm_service_{name} is {value!r}: use a number >= 0")
@@ -154,7 +167,7 @@ def compute_budget(
     weights_b = sizes.weight_files_bytes - sizes.table_bytes
     if not recipe.mtp_depth:
         weights_b -= sizes.mtp_bytes
-    weights = weights_b / GIB
+    weights = weights_b / tp_size / GIB
     fixed = weights + knobs.overhead_gib + (knobs.mtp_runtime_gib if recipe.mtp_depth else 0.0)
     kv_need = kv_need_bytes(recipe.max_model_len, recipe.kv_cache_dtype) / GIB
     wish = fixed + max(kv_need, knobs.kv_target_gib)

@@ -6,13 +6,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from ..errors import EXIT_CHECK_FAILED, EXIT_OK
 from ..meminfo import read_meminfo
 from .budget import BudgetKnobs, compute_budget, launch_gate, snapshot_sizes
+from .pair import HEAD, TP_SIZE, node_args
 from .recipe import Recipe, ServingError
 
 # The truth values Ansible's `bool` filter takes (a variable set with -e arrives as a string).
@@ -76,21 +77,50 @@ def from_spec(spec: dict[str, Any]) -> tuple[Recipe, BudgetKnobs]:
     return recipe, knobs
 
 
+@dataclass(frozen=True)
+class PairRank:
+    """This Spark's side of a pair, as serving-plan takes it (--pair-rank, --master-addr,
+    --master-port; the role passes sparkple_pair_info's)."""
+
+    rank: int
+    master_addr: str
+    master_port: int
+
+    def args(self) -> list[str]:
+        return node_args(self.rank, self.master_addr, self.master_port)
+
+    def describe(self) -> dict[str, Any]:
+        role = "head" if self.rank == HEAD else "worker"
+        return {**asdict(self), "role": role, "tp_size": TP_SIZE, "vllm_args": self.args()}
+
+
 def plan(
-    snapshot: Path, recipe: Recipe, knobs: BudgetKnobs, mem_total_bytes: int
+    snapshot: Path,
+    recipe: Recipe,
+    knobs: BudgetKnobs,
+    mem_total_bytes: int,
+    pair: PairRank | None = None,
 ) -> dict[str, Any]:
-    """The recipe and knobs as typed, the sizes, the budget, its summary and vLLM's argv;
-    ServingError when it cannot work."""
+    """The recipe and knobs as typed, the sizes, the budget, its summary and vLLM's argv (with
+    a pair: this rank's, and a `pair` entry); ServingError when it cannot work."""
     sizes = snapshot_sizes(snapshot)
     recipe.check(sizes.mtp_layers)
-    budget = compute_budget(sizes, recipe, mem_total_bytes, knobs)
-    return {
+    pair_args = pair.args() if pair else []
+    budget = compute_budget(sizes, recipe, mem_total_bytes, knobs, TP_SIZE if pair else 1)
+    summary = budget.summary()
+    if pair:
+        summary = (
+            f"Per rank (rank {pair.rank} of {TP_SIZE}, the pair's {pair.describe()['role']}; "
+            f"half the weights on each Spark): {summary}"
+        )
+    result = {
         "recipe": {**asdict(recipe), **asdict(knobs)},
         "sizes": asdict(sizes),
         "budget": asdict(budget),
-        "summary": budget.summary(),
-        "argv": recipe.argv(budget.gpu_memory_utilization, sizes.rope_parameters),
+        "summary": summary,
+        "argv": recipe.argv(budget.gpu_memory_utilization, sizes.rope_parameters, pair_args),
     }
+    return {**result, "pair": pair.describe()} if pair else result
 
 
 def _plan_cmd(args: argparse.Namespace) -> int:
@@ -102,7 +132,16 @@ def _plan_cmd(args: argparse.Namespace) -> int:
         raise ServingError("--recipe must be a JSON object")
     recipe, knobs = from_spec(spec)
     total = args.mem_total_bytes or read_meminfo().get("MemTotal", 0)
-    result = plan(Path(args.snapshot), recipe, knobs, total)
+    pair = None
+    given = [args.pair_rank is not None, bool(args.master_addr), args.master_port is not None]
+    if any(given) and not all(given):
+        raise ServingError(
+            "a pair's node needs all of --pair-rank, --master-addr and --master-port "
+            "(a single Spark: none of them)"
+        )
+    if all(given):
+        pair = PairRank(args.pair_rank, args.master_addr, args.master_port)
+    result = plan(Path(args.snapshot), recipe, knobs, total, pair)
     print(json.dumps(result, indent=None if args.json else 2))
     return EXIT_OK
 
@@ -122,6 +161,11 @@ def add_parser(sub: Any, name: str) -> None:
             "--mem-total-bytes", type=int, default=0, help="MemTotal (default: /proc/meminfo)"
         )
         p.add_argument("--json", action="store_true", help="one line of JSON")
+        p.add_argument(
+            "--pair-rank", type=int, help="a pair's node: 0 the head, 1 the worker (--headless)"
+        )
+        p.add_argument("--master-addr", default="", help="a pair's head link address")
+        p.add_argument("--master-port", type=int, help="a pair's rendezvous port on the head")
         p.set_defaults(func=_plan_cmd)
     else:
         p = sub.add_parser(name, help="refuse a launch when MemAvailable is too low")

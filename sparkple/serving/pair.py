@@ -16,7 +16,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .recipe import ServingError
+from .recipe import PAIR_FLAGS, ServingError
+
+__all__ = ["PAIR_FLAGS", "Pair", "PairNode", "disagreements", "node_args", "pair_of", "pairs_of"]
 
 TP_SIZE = 2
 HEAD, WORKER = 0, 1
@@ -33,15 +35,54 @@ INVENTORY_VARS = (
     "sparkple_pair_master_port",
 )
 
-# The flags a pair adds to `vllm serve` (flag -> how vLLM reads it; None: a switch).
-PAIR_FLAGS: dict[str, Any] = {
-    "--tensor-parallel-size": int,
-    "--nnodes": int,
-    "--node-rank": int,
-    "--master-addr": str,
-    "--master-port": int,
-    "--headless": None,
+# What both nodes of a pair must agree on before either starts (preflight, tasks_from: pair),
+# each with the words a refusal uses: a node serving another revision, other patches or another
+# table would garble the output (each rank computes its half of every layer).
+IDENTITY = {
+    "checkpoint_revision": "checkpoint revision (model_checkpoint_revision)",
+    "snapshot_manifest": "snapshot manifest sha256 (model_checkpoint's manifest of the revision)",
+    "patch_manifest": "vLLM patch manifest sha256 (vllm_patches)",
+    "table_fingerprint": "PLE table fingerprint (sparkple inspect-table --json)",
 }
+
+
+def node_args(rank: int, master_addr: str, master_port: int) -> list[str]:
+    """The multi-node words of a pair node's `vllm serve`: the head (rank 0) serves the API,
+    the worker (rank 1) runs `--headless`; both meet at the head's link address and port."""
+    if rank not in (HEAD, WORKER):
+        raise ServingError(f"pair rank {rank!r}: use 0 (the head) or 1 (the worker)")
+    if not isinstance(master_addr, str) or not master_addr.strip():
+        raise ServingError("the pair's master address is empty: set the head's link address")
+    if not 1 <= master_port <= 65535:
+        raise ServingError(f"the pair's master port {master_port} is not a TCP port")
+    args = [
+        f"--tensor-parallel-size={TP_SIZE}",
+        f"--nnodes={TP_SIZE}",
+        f"--node-rank={rank}",
+        f"--master-addr={master_addr.strip()}",
+        f"--master-port={master_port}",
+    ]
+    return args + (["--headless"] if rank == WORKER else [])
+
+
+# Without these a node cannot serve at all (an unpatched pair has no patch manifest on either).
+REQUIRED_IDENTITY = ("checkpoint_revision", "table_fingerprint")
+
+
+def disagreements(head: Mapping[str, Any], worker: Mapping[str, Any]) -> list[str]:
+    """What two nodes' identities (IDENTITY's keys, and `host`) differ in, one line each
+    naming both hosts and both values; a value missing on one node only is a difference, and a
+    required one missing on both is one too."""
+    hosts = (head.get("host") or "the head", worker.get("host") or "the worker")
+    found = []
+    for key, words in IDENTITY.items():
+        values = [head.get(key) or "", worker.get(key) or ""]
+        if values[0] != values[1]:
+            shown = [repr(v) if v else "none" for v in values]
+            found.append(f"{words}: {hosts[0]} has {shown[0]}, {hosts[1]} has {shown[1]}")
+        elif not values[0] and key in REQUIRED_IDENTITY:
+            found.append(f"{words}: neither {hosts[0]} nor {hosts[1]} has one")
+    return found
 
 
 @dataclass(frozen=True)
@@ -74,15 +115,7 @@ class Pair:
 
     def vllm_args(self, host: str) -> list[str]:
         """The multi-node words of this host's `vllm serve` (the recipe's own flags besides)."""
-        node = self.node(host)
-        args = [
-            f"--tensor-parallel-size={TP_SIZE}",
-            f"--nnodes={TP_SIZE}",
-            f"--node-rank={node.rank}",
-            f"--master-addr={self.head.link_address}",
-            f"--master-port={self.master_port}",
-        ]
-        return args + (["--headless"] if node.rank == WORKER else [])
+        return node_args(self.node(host).rank, self.head.link_address, self.master_port)
 
     def env(self, host: str) -> dict[str, str]:
         """The environment of this host's engine: its own link address (the address vLLM's
@@ -107,6 +140,7 @@ class Pair:
             "worker": self.worker.host,
             "peer": peer.host,
             "peer_address": peer.link_address,
+            "master_addr": self.head.link_address,
             "master_port": self.master_port,
             "node": asdict(node),
             "vllm_args": self.vllm_args(host),

@@ -228,7 +228,8 @@ class Recipe:
                 raise ServingError(
                     f"vllm_service_extra_args holds {arg!r}: no newlines or NUL bytes"
                 )
-            flag = arg.split("=", 1)[0].replace("_", "-") if arg.startswith("--") else ""
+            name = arg.split("=", 1)[0]
+            flag = name.replace("_", "-") if arg.startswith("--") else PAIR_SHORT.get(name, "")
             if flag in OWNED_FLAGS:
                 raise ServingError(
                     f"vllm_service_extra_args sets {flag}, which the recipe sets from "
@@ -267,7 +268,11 @@ class Recipe:
                 continue
             if not eq and i + 1 < len(args) and not args[i + 1].startswith("-"):
                 value = args[i + 1]
-            if flag == "--enable-dbo" or not value.strip().isdigit() or int(value) > 1:
+            if (
+                flag in ("--enable-dbo", "--tensor-parallel-size")
+                or not value.strip().isdigit()
+                or int(value) > 1
+            ):
                 raise ServingError(
                     f"vllm_service_extra_args has {arg!r}: {PLE_UNSERVABLE[flag][1]}, so the "
                     "packed PLE table cannot serve it; remove it from vllm_service_extra_args"
@@ -294,14 +299,21 @@ class Recipe:
             }
         }
 
-    def argv(self, gpu_memory_utilization: float, rope: dict[str, Any] | None = None) -> list[str]:
-        """The arguments of `vllm serve` (after the entrypoint's own words), one string each."""
+    def argv(
+        self,
+        gpu_memory_utilization: float,
+        rope: dict[str, Any] | None = None,
+        pair_args: tuple[str, ...] | list[str] = (),
+    ) -> list[str]:
+        """The arguments of `vllm serve` (after the entrypoint's own words), one string each;
+        `pair_args`: a pair node's multi-node flags (sparkple.serving.pair.node_args)."""
         args: list[str] = []
         for f in fields(self):
             if f.metadata["served"] is not None:
                 args += f.metadata["served"].words(getattr(self, f.name))
         args += [
             "--distributed-executor-backend=mp",
+            *pair_args,
             f"--gpu-memory-utilization={gpu_memory_utilization}",
         ]
         overrides = self.yarn_overrides(rope)
@@ -323,6 +335,20 @@ PLAN_FLAGS: dict[str, tuple[Any, str]] = {
 BUDGET_OWNED = {
     "--kv-cache-memory-bytes": "the budget (vllm_service_memtotal_reserve_gib and friends)"
 }
+# The flags a pair's node adds (flag -> how vLLM reads it; None: a switch): written by
+# sparkple.serving.pair from the inventory's pair variables, here so that the tables below
+# hold them without an import cycle (pair imports ServingError from this module).
+PAIR_FLAGS: dict[str, Any] = {
+    "--tensor-parallel-size": int,
+    "--nnodes": int,
+    "--node-rank": int,
+    "--master-addr": str,
+    "--master-port": int,
+    "--headless": None,
+}
+PAIR_OWNER = "the pair (sparkple_pair and sparkple_pair_*; README, Two Sparks)"
+# vLLM 0.33's short forms of the pair's flags (engine/arg_utils.py; -tp: PLE_UNSERVABLE below).
+PAIR_SHORT = {"-n": "--nnodes", "-r": "--node-rank"}
 
 # Every flag the plan may write: flag -> how vLLM reads its value (None: a switch).
 ACCEPTED_FLAGS: dict[str, Any] = {
@@ -333,6 +359,7 @@ ACCEPTED_FLAGS: dict[str, Any] = {
         for flag, kind in f.metadata["served"].flags.items()
     },
     **{flag: kind for flag, (kind, _) in PLAN_FLAGS.items()},
+    **PAIR_FLAGS,
 }
 # Flags the recipe sets itself; extra arguments may not repeat them (the last one would win
 # silently). Each maps to what owns it.
@@ -345,12 +372,18 @@ OWNED_FLAGS: dict[str, str] = {
     },
     **{flag: owner for flag, (_, owner) in PLAN_FLAGS.items()},
     **BUDGET_OWNED,
+    **{flag: PAIR_OWNER for flag in PAIR_FLAGS},
 }
 # What the packed-table PLE path cannot serve (the vLLM patch refuses them at start as well):
-# a flag, its short form, and why. Sizes are refused above 1, switches whenever given.
+# a flag, its short form, and why. Sizes are refused above 1, switches whenever given, and the
+# tensor-parallel size whenever given (a pair sets it: two Sparks, one rank each).
 PLE_UNSERVABLE: dict[str, tuple[str, str]] = {
     "--pipeline-parallel-size": ("-pp", "later pipeline ranks do not see the token ids"),
-    "--tensor-parallel-size": ("-tp", "the packed table serves one rank"),
+    "--tensor-parallel-size": (
+        "-tp",
+        "the packed table serves one rank per Spark (TP 2 is two Sparks as a pair, which sets "
+        "the size itself: sparkple_pair; README, Two Sparks)",
+    ),
     "--prefill-context-parallel-size": ("-pcp", "tokens are split across ranks after the PLE step"),
     "--enable-dbo": ("", "the PLE rows are uploaded per batch, not per micro-batch"),
     "--ubatch-size": ("", "the PLE rows are uploaded per batch, not per micro-batch"),

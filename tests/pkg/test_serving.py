@@ -105,6 +105,10 @@ def test_refused_when_the_container_exceeds_what_the_host_can_give() -> None:
         ({"extra_args": ("--max-num-seqs=8",)}, "vllm_service_max_num_seqs"),
         ({"extra_args": ("--pipeline-parallel-size=2",)}, "later pipeline ranks"),
         ({"extra_args": ("-tp", "2")}, "serves one rank"),
+        ({"extra_args": ("-tp", "1")}, "two Sparks as a pair"),
+        ({"extra_args": ("--tensor-parallel-size=1",)}, "the pair (sparkple_pair"),
+        ({"extra_args": ("--nnodes=2",)}, "the pair (sparkple_pair"),
+        ({"extra_args": ("--headless",)}, "the pair (sparkple_pair"),
         ({"extra_args": ("--prefill-context-parallel-size", "4")}, "split across ranks"),
         ({"extra_args": ("--enable-dbo",)}, "micro-batch"),
         ({"extra_args": ('--engram-config={"embedding_across_dp": true}',)}, "embedding_across_dp"),
@@ -143,9 +147,10 @@ def test_mtp_depth_must_suit_the_checkpoints_layers() -> None:
     with pytest.raises(ServingError, match="no MTP layers"):
         recipe(mtp_depth=1).check(mtp_layers=0)
     # async scheduling is served, with MTP too (the PLE step copies the inputs vLLM's forward
-    # reads); so are sizes of 1 and an engram config that keeps one table per rank
+    # reads); so are pipeline sizes of 1 and an engram config that keeps one table per rank
+    # (the tensor-parallel size is the pair's: refused in the extra arguments whatever its value)
     recipe(mtp_depth=3, extra_args=("--async-scheduling",)).check(mtp_layers=1)
-    recipe(extra_args=("--tensor-parallel-size=1", "-pp", "1")).check(mtp_layers=1)
+    recipe(extra_args=("--pipeline-parallel-size=1", "-pp", "1")).check(mtp_layers=1)
     recipe(extra_args=('--engram-config={"cpu_offload": false}',)).check(mtp_layers=1)
     recipe(extra_args=("--engram-config.embedding_across_dp", "false")).check(mtp_layers=1)
 

@@ -148,6 +148,18 @@ def engine_values(config) -> dict:
         },
         "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
         "device_type": str(config.device_config.device_type),
+        "parallel": {
+            name: getattr(config.parallel_config, name, None)
+            for name in (
+                "tensor_parallel_size",
+                "world_size",
+                "nnodes",
+                "node_rank",
+                "master_addr",
+                "master_port",
+                "distributed_executor_backend",
+            )
+        },  # fmt: skip
     }
 
 

@@ -1,6 +1,7 @@
 """The serving unit's arguments through vLLM 0.33.0's own `vllm serve` parser (from the wheel).
 
-The plans come from `sparkple serving-plan` on a synthetic snapshot in the HF cache layout; the
+The plans come from `sparkple serving-plan` on a synthetic snapshot in the HF cache layout (a
+single Spark's, and a pair's head and worker, each with its multi-node flags); the
 parser, `validate_parsed_serve_args` and `EngineArgs.from_cli_args` run in the CPU test venv
 (`VLLM_TARGET_DEVICE=cpu`). molecule/default's verify runs tests/vllm/lab_container_args.py (not
 collected otherwise) with the arguments the lab's serving container really received.
@@ -19,7 +20,7 @@ import pytest
 from hf_snapshot import hf_cache_snapshot
 
 from sparkple.serving.budget import GIB, BudgetKnobs
-from sparkple.serving.cli import plan
+from sparkple.serving.cli import PairRank, plan
 from sparkple.serving.pair import Pair, PairNode
 from sparkple.serving.recipe import Recipe
 
@@ -43,6 +44,9 @@ CASES: dict[str, tuple[dict, dict]] = {
         {},
     ),  # noqa: E501
 }
+# A pair's two nodes (sparkple.serving.pair): the production recipe per rank.
+PAIR_CASES = {"pair-head": PairRank(0, "192.168.100.10", 29501),
+              "pair-worker": PairRank(1, "192.168.100.10", 29501)}  # fmt: skip
 
 
 def load_module(path: Path, name: str):
@@ -154,6 +158,10 @@ def checked(vllm_venv: Path, snapshot: Path, tmp_path_factory) -> dict:
         r = Recipe(**{**recipe, "extra_args": tuple(recipe.get("extra_args", ()))})
         plans[name] = (recipe, plan(snapshot, r, BudgetKnobs(**knobs), MEMTOTAL))
         cases[name] = {"args": plans[name][1]["argv"], "config_dir": str(snapshot)}
+    for name, rank in PAIR_CASES.items():
+        recipe = {"model": str(snapshot), "served_model_name": "qwen3.8-flash-next"}
+        plans[name] = (recipe, plan(snapshot, Recipe(**recipe), BudgetKnobs(), MEMTOTAL, rank))
+        cases[name] = {"args": plans[name][1]["argv"], "config_dir": str(snapshot)}
     # a typo'd flag and mangled JSON (what systemd does to unquoted double quotes)
     good = plans["production"][1]["argv"]
     cases["typo"] = {"args": [*good, "--max-num-sequences=4"]}
@@ -189,6 +197,33 @@ def test_vllm_parses_the_plan_to_the_recipe(checked: dict, name: str) -> None:
         "load_format": "safetensors",
         "safetensors_load_strategy": "lazy",
     }
+
+
+@pytest.mark.parametrize("name", list(PAIR_CASES))
+def test_vllm_parses_each_pair_nodes_plan(checked: dict, name: str) -> None:
+    """The head's and the worker's argv, as serving-plan writes them, through vLLM's parser and
+    `validate_parsed_serve_args`: every recipe value as on one Spark, plus the multi-node ones."""
+    recipe, the_plan = checked["plans"][name]
+    case = checked["cases"][name]
+    assert case["unknown"] == [], f"vLLM 0.33.0 does not know {case['unknown']}"
+    assert case["error"] is None, case["error"]
+    values = case["values"]
+    assert_matches(values, expected_values(recipe, the_plan["budget"]["gpu_memory_utilization"]))
+    rank = PAIR_CASES[name].rank
+    assert_matches(
+        values,
+        {"tensor_parallel_size": 2, "nnodes": 2, "node_rank": rank,
+         "master_addr": "192.168.100.10", "master_port": 29501, "headless": rank == 1},
+    )  # fmt: skip
+    # and vLLM builds the node's engine config from it on a CPU: its ParallelConfig is TP 2
+    # over two nodes, one rank on each, meeting at the head
+    engine = case["engine"]
+    assert engine.get("built"), {k: engine.get(k) for k in ("stopped_with", "stopped_in")}
+    assert engine["parallel"] == {
+        "tensor_parallel_size": 2, "world_size": 2, "nnodes": 2, "node_rank": rank,
+        "master_addr": "192.168.100.10", "master_port": 29501,
+        "distributed_executor_backend": "mp",
+    }  # fmt: skip
 
 
 def test_yarn_reaches_vllm_as_hf_overrides(checked: dict) -> None:

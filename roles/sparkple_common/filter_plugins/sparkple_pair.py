@@ -1,6 +1,8 @@
-"""sparkple_pair: this host's side of its pair (sparkple.serving.pair), {} for a single Spark.
+"""sparkple_pair: this host's side of its pair (sparkple.serving.pair), {} for a single Spark;
+sparkple_pair_disagreements: what a pair's two nodes differ in (preflight, tasks_from: pair).
 
     sparkple_pair_info: "{{ hostvars | sparkple_pair(inventory_hostname, groups['all']) }}"
+    head_identity | sparkple_pair_disagreements(worker_identity)
 
 Every pair of the inventory is checked, so a half-described pair fails on every host with the
 host and the variable to fix. The package is this checkout's, the one sparkple_package installs.
@@ -32,6 +34,18 @@ def sparkple_pair(hostvars: Mapping[str, Any], host: str, hosts: Iterable[str]) 
     return pair.describe(host) if pair else {}
 
 
+def sparkple_pair_disagreements(head: Mapping[str, Any], worker: Mapping[str, Any]) -> list[str]:
+    """What the two nodes' identities (preflight, tasks_from: pair) differ in, one line each."""
+    if str(CHECKOUT) not in sys.path:
+        sys.path.insert(0, str(CHECKOUT))
+    from sparkple.serving.pair import disagreements
+
+    return disagreements(head, worker)
+
+
 class FilterModule:
     def filters(self) -> dict:
-        return {"sparkple_pair": sparkple_pair}
+        return {
+            "sparkple_pair": sparkple_pair,
+            "sparkple_pair_disagreements": sparkple_pair_disagreements,
+        }

@@ -1,0 +1,168 @@
+"""The serving unit of a pair's nodes and of a single Spark, rendered by a real ansible-playbook
+run from vllm_service's own template, with the plans `sparkple serving-plan` computes for each
+(per rank on the pair's nodes) from a real synthetic snapshot.
+
+The words of `ExecStart=` are read back as systemd reads them (double-quoted, `\\` escapes, `$$`
+and `%%` doubled), so what is asserted is the `docker run` each host runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hf_snapshot import hf_cache_snapshot
+
+from sparkple.serving.budget import GIB, BudgetKnobs
+from sparkple.serving.cli import PairRank, plan
+from sparkple.serving.recipe import Recipe
+
+ROOT = Path(__file__).resolve().parents[2]
+ROLE = ROOT / "roles" / "vllm_service"
+HEAD_IP, WORKER_IP = "192.168.100.10", "192.168.100.11"
+
+
+def pair_node(rank: int, address: str, hca: str) -> dict[str, object]:
+    return {
+        "sparkple_pair": "p1",
+        "sparkple_pair_rank": rank,
+        "sparkple_pair_link_address": address,
+        "sparkple_pair_link_interface": "enp1s0f1np1",
+        "sparkple_pair_ib_hca": hca,
+    }
+
+
+def exec_start(unit: str) -> list[str]:
+    """The words of ExecStart=, unquoted as systemd does for this template's quoting."""
+    (line,) = re.findall(r"^ExecStart=(.*?)\n(?!    )", unit, re.M | re.S)
+    words = re.findall(r'"((?:[^"\\]|\\.)*)"|(\S+)', line.replace(" \\\n    ", " "))
+    out = []
+    for quoted, bare in words:
+        word = re.sub(r"\\(.)", r"\1", quoted) if quoted else bare
+        out.append(word.replace("$$", "$").replace("%%", "%"))
+    return out
+
+
+def pairs(words: list[str], flag: str) -> list[str]:
+    return [words[i + 1] for i, w in enumerate(words[:-1]) if w == flag]
+
+
+@pytest.fixture(scope="module")
+def units(tmp_path_factory) -> dict[str, str]:
+    exe = Path(sys.executable).parent / "ansible-playbook"
+    found = str(exe) if exe.exists() else shutil.which("ansible-playbook")
+    if not found:
+        pytest.skip("ansible-playbook is not installed (run .ci/setup-venv)")
+    work = tmp_path_factory.mktemp("unit")
+    snapshot = hf_cache_snapshot(work, files=2, seed=7)
+    recipe = Recipe(model="/models/m/snapshots/rev", served_model_name="qwen3.8-flash-next")
+    memtotal = int(119.7 * GIB)
+    ranks = {"spark-a": PairRank(0, HEAD_IP, 29501), "spark-b": PairRank(1, HEAD_IP, 29501)}
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
+             "model_checkpoint_snapshot_dir": str(snapshot),
+             "sparkple_image": "sparkple:test"}  # fmt: skip
+    hosts = {
+        "spark-a": pair_node(0, HEAD_IP, "rocep1s0f1"),
+        # a cross-wired worker, and ulimits without memlock: the pair adds it
+        "spark-b": {
+            **pair_node(1, WORKER_IP, "roceP2p1s0f1"),
+            "sparkple_pair_ib_gid_index": 1,
+            "vllm_service_ulimits": ["stack=67108864"],
+        },  # fmt: skip
+        "spark-c": {},
+    }
+    for host, hv in hosts.items():
+        the_plan = plan(snapshot, recipe, BudgetKnobs(), memtotal, ranks.get(host))
+        hv.update(local, vllm_service_plan=the_plan)
+    (work / "hosts.json").write_text(json.dumps({"sparks": {"hosts": hosts}}))
+    # the role's defaults and vars below the host vars, as the role's defaults are
+    (work / "group_vars" / "all").mkdir(parents=True)
+    for part in ("defaults", "vars"):
+        shutil.copy(ROLE / part / "main.yml", work / "group_vars" / "all" / f"{part}.yml")
+    (work / "play.yml").write_text(
+        "- hosts: sparks\n  gather_facts: false\n  roles: [sparkple_common]\n  tasks:\n"
+        "    - ansible.builtin.template:\n"
+        f"        src: {ROLE}/templates/vllm.service.j2\n"
+        "        dest: '{{ playbook_dir }}/{{ inventory_hostname }}.service'\n"
+        "        mode: '0644'\n"
+    )
+    env = dict(os.environ, ANSIBLE_ROLES_PATH=str(ROOT / "roles"),
+               ANSIBLE_FILTER_PLUGINS=str(ROLE / "filter_plugins"))  # fmt: skip
+    env.pop("ANSIBLE_CONFIG", None)
+    run = subprocess.run([found, "-i", "hosts.json", "play.yml"], cwd=work, env=env,
+                         capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    return {h: (work / f"{h}.service").read_text() for h in hosts}
+
+
+def test_each_node_of_the_pair_gets_its_flags_env_and_devices(units: dict[str, str]) -> None:
+    head, worker, single = (exec_start(units[h]) for h in ("spark-a", "spark-b", "spark-c"))
+    for words in (head, worker, single):
+        assert pairs(words, "--network") == ["host"] and pairs(words, "--ipc") == ["host"]
+    for words in (head, worker):
+        assert pairs(words, "--device") == ["/dev/infiniband"]
+        assert pairs(words, "--ulimit").count("memlock=-1") == 1
+        assert words[words.index("--distributed-executor-backend=mp") + 1 :][:5] == [
+            "--tensor-parallel-size=2", "--nnodes=2", f"--node-rank={int(words is worker)}",
+            f"--master-addr={HEAD_IP}", "--master-port=29501",
+        ]  # fmt: skip
+    assert "--headless" in worker and "--headless" not in head
+    assert "--ulimit" in worker and pairs(worker, "--ulimit") == ["stack=67108864", "memlock=-1"]
+    env = {h: dict(e.split("=", 1) for e in pairs(exec_start(units[h]), "--env")) for h in units}
+    link = ("NCCL", "GLOO", "VLLM_")
+    assert {k: v for k, v in env["spark-b"].items() if k.startswith(link)} == {
+        "VLLM_HOST_IP": WORKER_IP,
+        "NCCL_SOCKET_IFNAME": "enp1s0f1np1",
+        "GLOO_SOCKET_IFNAME": "enp1s0f1np1",
+        "NCCL_IB_HCA": "roceP2p1s0f1",
+        "NCCL_IB_GID_INDEX": "1",
+    }  # fmt: skip
+    assert (env["spark-a"]["VLLM_HOST_IP"], env["spark-a"]["NCCL_IB_HCA"]) == (
+        HEAD_IP,
+        "rocep1s0f1",
+    )
+    assert env["spark-a"]["NCCL_IB_GID_INDEX"] == "3"
+    assert "# Pair p1: the worker (rank 1; head spark-a, worker spark-b)." in units["spark-b"]
+    assert "Budget" in units["spark-a"] and "Per rank (rank 0 of 2" in units["spark-a"]
+
+
+def test_a_single_spark_unit_has_nothing_of_a_pair(units: dict[str, str]) -> None:
+    single = exec_start(units["spark-c"])
+    assert "--device" not in single and "--headless" not in single
+    assert pairs(single, "--ulimit") == ["memlock=-1", "stack=67108864"]
+    assert not [w for w in single if w.startswith(("--nnodes", "--tensor-parallel", "--master"))]
+    env = dict(e.split("=", 1) for e in pairs(single, "--env"))
+    assert not [k for k in env if k.startswith(("NCCL", "GLOO", "VLLM_HOST"))]
+    assert "Pair" not in units["spark-c"] and "Per rank" not in units["spark-c"]
+    # the head's unit is the single Spark's plus the pair's words, its own budget aside
+    head = exec_start(units["spark-a"])
+    pair_env = [e for e in pairs(head, "--env") if e.startswith(("NCCL", "GLOO", "VLLM_HOST"))]
+    added = [["--device", "/dev/infiniband"], *(["--env", e] for e in pair_env),
+             ["--tensor-parallel-size=2", "--nnodes=2", "--node-rank=0",
+              f"--master-addr={HEAD_IP}", "--master-port=29501"]]  # fmt: skip
+    assert budgetless(without(head, added)) == budgetless(single)
+
+
+def without(words: list[str], parts: list[list[str]]) -> list[str]:
+    """words with each of parts (a run of words) taken out once; a part not there fails."""
+    for part in parts:
+        starts = [i for i in range(len(words)) if words[i : i + len(part)] == part]
+        assert starts, f"{part} is not in the unit"
+        words = words[: starts[0]] + words[starts[0] + len(part) :]
+    return words
+
+
+def budgetless(words: list[str]) -> list[str]:
+    """The words with the budget's values (each rank's own) blanked."""
+    out = []
+    for i, w in enumerate(words):
+        if i and words[i - 1] in ("--memory", "--memory-swap"):
+            w = "<budget>"
+        out.append("--gpu-memory-utilization=<budget>" if w.startswith("--gpu-memory-") else w)
+    return out
