@@ -26,7 +26,8 @@ def sparkple_pair(hostvars: Mapping[str, Any], host: str, hosts: Iterable[str]) 
     from sparkple.errors import SparkpleError
     from sparkple.serving.pair import inventory_view, pair_of
 
-    described = inventory_view(hostvars, {*hosts, host})
+    # in inventory order (a set would name the hosts of an error in any order)
+    described = inventory_view(hostvars, dict.fromkeys([*hosts, host]))
     try:
         pair = pair_of(described, host)
     except SparkpleError as exc:
