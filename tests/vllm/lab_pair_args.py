@@ -36,7 +36,11 @@ def flag(args: list[str], name: str) -> str | None:
 def test_lab_pair_args(vllm_venv: Path, tmp_path: Path) -> None:
     assert PAIR_ARGS, "SPARKPLE_LAB_PAIR_ARGS must name the pair-args.json molecule/fleet wrote"
     pair = json.loads(Path(PAIR_ARGS).read_text())
-    cases = {side: {"args": words(pair[side]), "config_dir": None} for side in ("head", "worker")}
+    # the model path is the hosts': vLLM reads the model's config from the controller's copy
+    config_dir = pair["config_dir"]
+    cases = {
+        side: {"args": words(pair[side]), "config_dir": config_dir} for side in ("head", "worker")
+    }
     results = run_check(vllm_venv, cases, tmp_path)["cases"]
     for side, result in results.items():
         assert result["unknown"] == [], f"vLLM 0.33.0 does not know {result['unknown']} ({side})"
@@ -48,5 +52,10 @@ def test_lab_pair_args(vllm_venv: Path, tmp_path: Path) -> None:
         assert flag(args, "--master-addr") == pair["head_address"]
     assert flag(head, "--master-port") == flag(worker, "--master-port")
     assert (flag(head, "--node-rank"), flag(worker, "--node-rank")) == ("0", "1")
+    for side, rank in (("head", 0), ("worker", 1)):
+        values = results[side]["values"]
+        assert (values["tensor_parallel_size"], values["nnodes"]) == (2, 2), values
+        assert (values["node_rank"], values["master_addr"]) == (rank, pair["head_address"])
+        assert values["headless"] is (rank == 1), values
     assert flag(head, "--headless") is None and flag(worker, "--headless") == ""
     print(json.dumps({side: cases[side]["args"] for side in cases}))
