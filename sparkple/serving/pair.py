@@ -24,6 +24,17 @@ TP_SIZE = 2
 HEAD, WORKER = 0, 1
 DEFAULT_MASTER_PORT = 29501
 DEFAULT_GID_INDEX = 3
+# The inventory variables that describe a pair (host vars on both of its hosts).
+INVENTORY_VARS = (
+    "sparkple_pair",
+    "sparkple_pair_rank",
+    "sparkple_pair_link_address",
+    "sparkple_pair_link_interface",
+    "sparkple_pair_ib_hca",
+    "sparkple_pair_ib_gid_index",
+    "sparkple_pair_master_port",
+)
+
 # What both nodes of a pair must agree on before either starts (preflight, tasks_from: pair),
 # each with the words a refusal uses: a node serving another revision, other patches or another
 # table would garble the output (each rank computes its half of every layer).
@@ -220,6 +231,11 @@ def pairs_of(hostvars: Mapping[str, Mapping[str, Any]]) -> dict[str, Pair]:
             )
         pairs[name] = Pair(name=name, head=head, worker=worker, master_port=port)
     return pairs
+
+
+def inventory_view(hostvars: Mapping[str, Mapping[str, Any]], hosts: Any) -> dict[str, dict]:
+    """Only the pair variables of `hosts` (Ansible's hostvars templates a variable when read)."""
+    return {h: {k: hostvars[h][k] for k in INVENTORY_VARS if k in hostvars[h]} for h in hosts}
 
 
 def pair_of(hostvars: Mapping[str, Mapping[str, Any]], host: str) -> Pair | None:

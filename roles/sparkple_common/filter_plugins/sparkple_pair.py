@@ -18,25 +18,16 @@ from typing import Any
 from ansible.errors import AnsibleFilterError
 
 CHECKOUT = Path(__file__).resolve().parents[3]
-PAIR_VARS = (
-    "sparkple_pair",
-    "sparkple_pair_rank",
-    "sparkple_pair_link_address",
-    "sparkple_pair_link_interface",
-    "sparkple_pair_ib_hca",
-    "sparkple_pair_ib_gid_index",
-    "sparkple_pair_master_port",
-)
 
 
 def sparkple_pair(hostvars: Mapping[str, Any], host: str, hosts: Iterable[str]) -> dict[str, Any]:
     if str(CHECKOUT) not in sys.path:
         sys.path.insert(0, str(CHECKOUT))
     from sparkple.errors import SparkpleError
-    from sparkple.serving.pair import pair_of
+    from sparkple.serving.pair import inventory_view, pair_of
 
-    described = {h: {k: hostvars[h][k] for k in PAIR_VARS if k in hostvars[h]} for h in hosts}
-    described.setdefault(host, {k: hostvars[host][k] for k in PAIR_VARS if k in hostvars[host]})
+    # in inventory order (a set would name the hosts of an error in any order)
+    described = inventory_view(hostvars, dict.fromkeys([*hosts, host]))
     try:
         pair = pair_of(described, host)
     except SparkpleError as exc:

@@ -1,0 +1,60 @@
+"""The rollout's order and batches (playbooks/filter_plugins/rollout_plan.py): a pair is one
+backend, head then worker, never split across batches."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from ansible.errors import AnsibleFilterError
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location(
+    "rollout_plan", ROOT / "playbooks" / "filter_plugins" / "rollout_plan.py"
+)
+assert spec and spec.loader
+plugin = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(plugin)
+
+
+def pair_node(name: str, rank: int, address: str) -> dict[str, object]:
+    return {
+        "sparkple_pair": name,
+        "sparkple_pair_rank": rank,
+        "sparkple_pair_link_address": address,
+        "sparkple_pair_link_interface": "eth0",
+        "sparkple_pair_ib_hca": "rocep1s0f1",
+    }
+
+
+HOSTVARS = {
+    # the worker listed before its head: the plan still puts the head first
+    "w": pair_node("p", 1, "10.0.0.2"),
+    "a": {},
+    "h": pair_node("p", 0, "10.0.0.1"),
+    "b": {},
+    "c": {},
+}
+
+
+def test_a_pair_canary_is_both_of_its_hosts_head_first() -> None:
+    plan = plugin.rollout_plan(["w", "a", "h", "b", "c"], HOSTVARS, "25%")
+    assert plan == {"canary": ["h", "w"], "rest": ["a", "b", "c"], "sizes": [1, 1, 1]}
+
+
+def test_batches_count_backends_and_keep_a_pair_together() -> None:
+    plan = plugin.rollout_plan(["a", "w", "b", "h", "c"], HOSTVARS, 2)
+    # backends after the canary a: [h, w], [b], [c] -> batches of two backends
+    assert plan == {"canary": ["a"], "rest": ["h", "w", "b", "c"], "sizes": [3, 1]}
+    plan = plugin.rollout_plan(["a", "b", "w", "c", "h"], HOSTVARS, "50%")
+    # three backends after a: 50% is one per batch
+    assert plan["rest"] == ["b", "h", "w", "c"] and plan["sizes"] == [1, 2, 1]
+
+
+def test_a_bad_batch_or_pair_is_refused() -> None:
+    with pytest.raises(AnsibleFilterError, match="rollout batch 'x'"):
+        plugin.rollout_plan(["a", "b"], HOSTVARS, "x")
+    broken = {**HOSTVARS, "w": {**HOSTVARS["w"], "sparkple_pair_rank": 0}}
+    with pytest.raises(AnsibleFilterError, match="both have sparkple_pair_rank 0"):
+        plugin.rollout_plan(["a", "h", "w"], broken, 1)
