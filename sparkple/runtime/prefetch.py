@@ -38,6 +38,7 @@ MECHANISMS = ("process_madvise", "fadvise", "madvise")
 _IOV_MAX = 1024  # UIO_MAXIOV: the most ranges one process_madvise call accepts
 _POOL_MIN_PAGES = 4096  # below this, one thread issues faster than it hands out work
 _FAST_CHECK_ROWS = 4096  # batches up to this size first check whether all pages are recent
+_ADVISED_NOW = 1  # Prefetcher._advised: advised in this period (2: in the one before)
 # Syscalls added since Linux 5.1 have one number on every architecture.
 _SYS_PIDFD_OPEN = 434
 _SYS_PROCESS_MADVISE = 440
@@ -198,8 +199,11 @@ class Prefetcher:
         self.threads = max(1, threads)
         self._pool: ThreadPoolExecutor | None = None
         npages = -(-(self.total_rows * self.row_width) // PAGE_SIZE)
-        self._recent = np.zeros(npages if recent_s > 0 else 0, dtype=bool)
-        self._older = np.zeros_like(self._recent)
+        # per page: bit 1 if advised in this period of recent_s, bit 2 if in the one before
+        # (one array: checking that pages are recent is one lookup)
+        self._advised = np.zeros(npages if recent_s > 0 else 0, dtype=np.uint8)
+        # the first and last byte of a row, from its first byte
+        self._row_ends = np.array([0, self.row_width - 1], dtype=np.int64)
         self._rotated_at = time.monotonic()
         self._pm: _ProcessMadvise | None = None
         self.mechanism = self._choose(mechanism)
@@ -223,33 +227,33 @@ class Prefetcher:
     def _rotate(self) -> None:
         now = time.monotonic()
         if now - self._rotated_at >= self.recent_s:
-            self._recent, self._older = self._older, self._recent
-            self._recent[:] = False
+            self._advised &= _ADVISED_NOW  # this period's pages become the period before's
+            self._advised <<= 1
             self._rotated_at = now
 
-    def _all_recent(self, ids: np.ndarray) -> bool:
-        """Whether every page of these rows was advised recently (a decode step's few hundred
-        rows on a warm table): a few vector operations instead of planning the pages."""
-        first = ids * self.row_width
-        last = (first + (self.row_width - 1)) // PAGE_SIZE
-        first //= PAGE_SIZE
-        return bool(
-            (self._recent[first] | self._older[first]).all()
-            and (self._recent[last] | self._older[last]).all()
-        )
+    def all_recent(self, ids: np.ndarray) -> bool:
+        """Whether every page of these rows (int64 ids inside the table) was advised recently:
+        a decode step's few hundred rows on a warm table, checked with a few vector operations
+        instead of planning the pages. False for batches over _FAST_CHECK_ROWS rows (planning
+        is cheaper than checking first) and when nothing is remembered (recent_s 0)."""
+        if self.recent_s <= 0 or ids.size > _FAST_CHECK_ROWS:
+            return False
+        self._rotate()
+        ends = ids.reshape(-1, 1) * self.row_width + self._row_ends
+        ends //= PAGE_SIZE
+        return bool(self._advised[ends].all())
 
     def _fresh_pages(self, pages: np.ndarray) -> np.ndarray:
         if self.recent_s <= 0:
             return pages
         self._rotate()
-        new = pages[~(self._recent[pages] | self._older[pages])]
-        self._recent[new] = True
+        new = pages[self._advised[pages] == 0]
+        self._advised[new] |= _ADVISED_NOW
         return new
 
     def forget(self) -> None:
         """Forget which pages were advised (call after evicting the table's pages)."""
-        self._recent[:] = False
-        self._older[:] = False
+        self._advised[:] = 0
 
     def prefetch(self, row_ids: np.ndarray) -> PrefetchStats:
         t0 = time.perf_counter()
@@ -258,10 +262,8 @@ class Prefetcher:
             ids = self.owned.select(ids)
         if ids.size < self.min_rows or ids.size == 0:
             return PrefetchStats(ids.size, 0, 0, 0, time.perf_counter() - t0, "skipped")
-        if self.recent_s > 0 and ids.size <= _FAST_CHECK_ROWS:
-            self._rotate()
-            if self._all_recent(ids):
-                return PrefetchStats(ids.size, 0, 0, 0, time.perf_counter() - t0, "recent")
+        if self.all_recent(ids):
+            return PrefetchStats(ids.size, 0, 0, 0, time.perf_counter() - t0, "recent")
         pages = plan_page_numbers(ids, self.row_width)
         fresh = self._fresh_pages(pages)
         starts, lengths = coalesce_pages(fresh)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from sparkple.errors import TableError
+from sparkple.runtime import prefetch as prefetch_module
 from sparkple.runtime.pagecache import evict, resident_fraction, resident_pages
 from sparkple.runtime.prefetch import (
     MECHANISMS,
@@ -118,6 +119,24 @@ def test_recently_advised_pages_are_skipped(cold_table):
     assert pf.prefetch(ids).issued_pages == first.pages
     never_skip = Prefetcher(table, recent_s=0)
     assert never_skip.prefetch(ids).issued_pages == first.pages
+
+
+def test_advised_pages_stay_recent_for_one_period_after_their_own(cold_table, monkeypatch):
+    table, _ = cold_table
+    now = [0.0]
+    clock = SimpleNamespace(monotonic=lambda: now[0], perf_counter=time.perf_counter)
+    monkeypatch.setattr(prefetch_module, "time", clock)
+    pf = Prefetcher(table, recent_s=10)
+    ids = np.random.default_rng(6).integers(0, table.rows.shape[0], (16, 16)).reshape(-1)
+    assert not pf.all_recent(ids)
+    first = pf.prefetch(ids)
+    assert first.issued_pages > 0 and pf.all_recent(ids)
+    now[0] = 10.0  # the next period: still recent (advised in the one before)
+    assert pf.prefetch(ids).mechanism == "recent"
+    now[0] = 20.0  # two periods on: advised again
+    assert not pf.all_recent(ids)
+    assert pf.prefetch(ids).issued_pages == first.issued_pages
+    assert not Prefetcher(table, recent_s=0).all_recent(ids)  # nothing remembered
 
 
 def test_small_batches_below_min_rows_are_not_prefetched(cold_table):
