@@ -104,6 +104,10 @@ class WindowHash:
         self.head_rows = np.arange(g.num_heads, dtype=np.intp) // g.heads_per_ngram + 1
         self.sizes = np.asarray(g.head_sizes, dtype=np.int64)
         self.offsets = np.asarray(g.head_offsets, dtype=np.int64)
+        if (self.sizes < 1).any():
+            raise ValueError(f"head sizes must be positive, got {g.head_sizes[:4]}...")
+        # every id it makes: head h's are offset[h] + [0, size[h])
+        self.bounds = (int(self.offsets.min()), int((self.offsets + self.sizes).max()))
 
     @staticmethod
     @lru_cache(maxsize=16)
@@ -126,7 +130,8 @@ class WindowHash:
         """
         if self.ngram_size > 2:
             seen = np.equal(windows[1:-1], self.eos, out=seen)
-            np.logical_or.accumulate(seen, axis=0, out=seen)
+            if self.ngram_size > 3:  # (one row is its own running OR)
+                np.logical_or.accumulate(seen, axis=0, out=seen)
             np.copyto(windows[2:], self.eos, where=seen)
         # int64 arrays wrap on overflow, like torch.long
         mixed = np.multiply(windows, self.multipliers, out=mixed, dtype=np.int64)

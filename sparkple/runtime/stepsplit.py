@@ -241,7 +241,8 @@ class DeviceRows:
 
     After it, `compute(source)` is one take of the windows from the source and the hash
     (sparkple.runtime.ngram.WindowHash): a fixed handful of numpy calls, no allocation.
-    `ids` holds the plan's runs one after another: run k's rows land at its step offset.
+    `ids` holds the plan's runs one after another: run k's rows land at its step offset;
+    `bounds` is [low, high) of every id the hash can write there.
     """
 
     def __init__(
@@ -250,6 +251,7 @@ class DeviceRows:
         n, tokens = plan.windows_from.shape
         self.plan = plan
         self._hash = WindowHash.of(geometry)
+        self.bounds = self._hash.bounds
         self._windows = np.empty((n, tokens), dtype=dtype)  # the source's dtype (take's rule)
         self._mixed = np.empty((n, tokens), dtype=np.int64)
         self._seen = np.empty((max(n - 2, 0), tokens), dtype=bool)

@@ -82,6 +82,7 @@ class InlineGather:
     takes: list[tuple[np.ndarray, np.ndarray]]  # per run: its ids, the staging it lands in
     pieces: list[tuple[int, np.ndarray]]  # per run: (step offset, ids [T, H])
     end: int  # the end of the furthest run
+    check: bool  # whether the ids' range is checked after they are in
 
 
 @dataclass
@@ -288,11 +289,16 @@ class GatherWorker:
         return np.empty((0, self.geometry.num_heads), dtype=np.int64)
 
     def prepare_inline(
-        self, seq: int, ids: np.ndarray, runs: Sequence[tuple[int, int]]
+        self,
+        seq: int,
+        ids: np.ndarray,
+        runs: Sequence[tuple[int, int]],
+        bounds: tuple[int, int] | None = None,
     ) -> InlineGather:
         """A gather of `ids` (int64[T, num_heads], filled later) into step `seq`'s slot, for
-        gather_prepared: run k, `(step offset, tokens)`, takes the next `tokens` rows of ids
-        (the shapes are checked here, the values there)."""
+        gather_prepared: run k, `(step offset, tokens)`, takes the next `tokens` rows of ids.
+        The shapes are checked here; the values there, unless `bounds` ([low, high) of every
+        id the producer can write, a hash's) are checked against the table here instead."""
         # the buffer itself, never a converted copy: its values are written after this call
         if not isinstance(ids, np.ndarray) or ids.dtype != np.int64 or not ids.flags.c_contiguous:
             raise ValueError("prepared row ids must be a C-contiguous int64 numpy buffer")
@@ -306,6 +312,9 @@ class GatherWorker:
             raise ValueError(
                 f"step {seq} needs {end} token rows, the staging holds {self.max_tokens}"
             )
+        if bounds is not None:
+            low, high = bounds
+            check_row_range(np.array([low, high - 1]), self.table.meta.total_rows)
         with self._lock:
             step = self._step(seq)
         staging = self.staging[step.slot]
@@ -316,17 +325,18 @@ class GatherWorker:
             staged = staging[start : start + count].reshape(count * heads, width)  # a view
             takes.append((run.reshape(-1), staged))
             taken += count
-        return InlineGather(step, ids.reshape(-1), takes, pieces, end)
+        return InlineGather(step, ids.reshape(-1), takes, pieces, end, bounds is None)
 
     def gather_prepared(self, job: InlineGather) -> None:
         """The prepared gather, now that its ids are in: one range check for the advice and
-        the takes, the pages advised (on a warm table a check of recently advised pages; on a
-        cold one every read in flight before the first take waits), then one take per run.
-        (Advice from a helper thread was measured slower warm, as fast cold: it contends for
-        the GIL.)"""
+        the takes (none when their bounds were checked before), the pages advised (on a warm
+        table a check of recently advised pages; on a cold one every read in flight before
+        the first take waits), then one take per run. (Advice from a helper thread was
+        measured slower warm, as fast cold: it contends for the GIL.)"""
         ids = job.ids
         if ids.size:
-            check_row_range(ids, self.table.meta.total_rows)
+            if job.check:
+                check_row_range(ids, self.table.meta.total_rows)
             if self.owned is not None:  # a rank's rows: zeros for the others
                 self._gather(job.step.slot, job.pieces)
             else:

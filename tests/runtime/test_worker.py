@@ -249,7 +249,7 @@ def test_a_gather_prepared_before_its_ids_exist(table, built_table):
         worker.open_step(1)
         worker.submit_pieces(1, [(2, prompt)])
         ids = np.zeros((5, H), dtype=np.int64)  # filled after the "sync"
-        job = worker.prepare_inline(1, ids, [(0, 2), (6, 3)])
+        job = worker.prepare_inline(1, ids, [(0, 2), (6, 3)], bounds=(0, table.total_rows))
         upload = worker.prepare_upload(1, 9, out)
         ids[:] = later
         worker.gather_prepared(job)
@@ -270,7 +270,9 @@ def test_a_gather_prepared_before_its_ids_exist(table, built_table):
         worker.open_step(9)
         job = worker.prepare_inline(9, np.full((1, H), table.total_rows, np.int64), [(0, 1)])
         with pytest.raises(TableError, match="outside the table"):
-            worker.gather_prepared(job)
+            worker.gather_prepared(job)  # checked once the ids are in
+        with pytest.raises(TableError, match="outside the table"):  # or before, as bounds
+            worker.prepare_inline(9, ids, [(0, 5)], bounds=(0, table.total_rows + 1))
         worker.release(9)
     want = np.concatenate([later[:2], prompt, later[2:]])
     np.testing.assert_array_equal(out[:9].numpy(), table_rows(table, want))
