@@ -10,8 +10,11 @@ Mechanisms, fastest first (measured side by side in bench/ple_io.py):
 - `fadvise`: one posix_fadvise(WILLNEED) per coalesced range on the table's own fd: works on
   any Linux, the fallback when process_madvise is missing or refused.
 - `madvise`: one madvise(WILLNEED) per range on the mapping (what the reference did per page).
-Pages advised within the last `recent_s` seconds are skipped: re-advising a resident page
-costs a system call and gains nothing, and a page evicted since only costs a plain fault.
+Pages a batch touched within the last `recent_s` seconds (advised, or skipped as recent) are
+skipped: re-advising a resident page costs a system call and gains nothing, and a page
+evicted since only costs a plain fault. A page in use stays known however long ago it was
+advised: a decode step's rows, most of them on pages some earlier batch advised, would
+otherwise be advised again every `recent_s` or two (hundreds of system calls on a warm table).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ MECHANISMS = ("process_madvise", "fadvise", "madvise")
 _IOV_MAX = 1024  # UIO_MAXIOV: the most ranges one process_madvise call accepts
 _POOL_MIN_PAGES = 4096  # below this, one thread issues faster than it hands out work
 _FAST_CHECK_ROWS = 4096  # batches up to this size first check whether all pages are recent
-_ADVISED_NOW = 1  # Prefetcher._advised: advised in this period (2: in the one before)
+_TOUCHED_NOW = 1  # Prefetcher._advised: touched in this period (2: in the one before)
 # Syscalls added since Linux 5.1 have one number on every architecture.
 _SYS_PIDFD_OPEN = 434
 _SYS_PROCESS_MADVISE = 440
@@ -171,7 +174,7 @@ class Prefetcher:
     threads: pool size for prefill-sized batches (process_madvise and madvise).
     min_rows: batches smaller than this are not prefetched (0: prefetch every batch; the
       benchmark shows even one decode token's 16 rows gain from overlapping their faults).
-    recent_s: skip pages advised within the last `recent_s` to `2 * recent_s` seconds (0: never).
+    recent_s: skip pages touched within the last `recent_s` to `2 * recent_s` seconds (0: never).
     owned: a tensor-parallel rank's rows: ids outside them are not advised (the rank never
       reads them).
     """
@@ -199,7 +202,7 @@ class Prefetcher:
         self.threads = max(1, threads)
         self._pool: ThreadPoolExecutor | None = None
         npages = -(-(self.total_rows * self.row_width) // PAGE_SIZE)
-        # per page: bit 1 if advised in this period of recent_s, bit 2 if in the one before
+        # per page: bit 1 if touched in this period of recent_s, bit 2 if in the one before
         # (one array: checking that pages are recent is one lookup)
         self._advised = np.zeros(npages if recent_s > 0 else 0, dtype=np.uint8)
         # the first and last byte of a row, from its first byte
@@ -227,28 +230,32 @@ class Prefetcher:
     def _rotate(self) -> None:
         now = time.monotonic()
         if now - self._rotated_at >= self.recent_s:
-            self._advised &= _ADVISED_NOW  # this period's pages become the period before's
+            self._advised &= _TOUCHED_NOW  # this period's pages become the period before's
             self._advised <<= 1
             self._rotated_at = now
 
     def all_recent(self, ids: np.ndarray) -> bool:
-        """Whether every page of these rows (int64 ids inside the table) was advised recently:
-        a decode step's few hundred rows on a warm table, checked with a few vector operations
-        instead of planning the pages. False for batches over _FAST_CHECK_ROWS rows (planning
-        is cheaper than checking first) and when nothing is remembered (recent_s 0)."""
+        """Whether every page of these rows (int64 ids inside the table) was touched recently
+        (then they count as touched now): a decode step's few hundred rows on a warm table,
+        checked with a few vector operations instead of planning the pages. False for batches
+        over _FAST_CHECK_ROWS rows (planning is cheaper than checking first) and when nothing
+        is remembered (recent_s 0)."""
         if self.recent_s <= 0 or ids.size > _FAST_CHECK_ROWS:
             return False
         self._rotate()
         ends = ids.reshape(-1, 1) * self.row_width + self._row_ends
         ends //= PAGE_SIZE
-        return bool(self._advised[ends].all())
+        if not self._advised[ends].all():
+            return False
+        self._advised[ends] |= _TOUCHED_NOW
+        return True
 
     def _fresh_pages(self, pages: np.ndarray) -> np.ndarray:
         if self.recent_s <= 0:
             return pages
         self._rotate()
         new = pages[self._advised[pages] == 0]
-        self._advised[new] |= _ADVISED_NOW
+        self._advised[pages] |= _TOUCHED_NOW  # the recent ones are in use again too
         return new
 
     def forget(self) -> None:

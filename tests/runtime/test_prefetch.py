@@ -121,7 +121,7 @@ def test_recently_advised_pages_are_skipped(cold_table):
     assert never_skip.prefetch(ids).issued_pages == first.pages
 
 
-def test_advised_pages_stay_recent_for_one_period_after_their_own(cold_table, monkeypatch):
+def test_pages_stay_recent_for_one_period_after_they_were_last_touched(cold_table, monkeypatch):
     table, _ = cold_table
     now = [0.0]
     clock = SimpleNamespace(monotonic=lambda: now[0], perf_counter=time.perf_counter)
@@ -131,11 +131,18 @@ def test_advised_pages_stay_recent_for_one_period_after_their_own(cold_table, mo
     assert not pf.all_recent(ids)
     first = pf.prefetch(ids)
     assert first.issued_pages > 0 and pf.all_recent(ids)
-    now[0] = 10.0  # the next period: still recent (advised in the one before)
-    assert pf.prefetch(ids).mechanism == "recent"
-    now[0] = 20.0  # two periods on: advised again
-    assert not pf.all_recent(ids)
-    assert pf.prefetch(ids).issued_pages == first.issued_pages
+    for period in (10.0, 20.0):  # each period, found in the one before and touched again
+        now[0] = period
+        assert pf.prefetch(ids).mechanism == "recent"
+    # a batch with a new row: its page is advised, the others count as touched now
+    now[0] = 30.0
+    assert pf.prefetch(np.concatenate([ids[:8], [table.rows.shape[0] - 1]])).issued_pages == 1
+    now[0] = 40.0  # the rest was last touched two periods ago: advised again
+    assert not pf.all_recent(ids) and pf.all_recent(ids[:8])
+    again = np.setdiff1d(
+        plan_page_numbers(ids, pf.row_width), plan_page_numbers(ids[:8], pf.row_width)
+    )
+    assert pf.prefetch(ids).issued_pages == again.size > 0
     assert not Prefetcher(table, recent_s=0).all_recent(ids)  # nothing remembered
 
 
