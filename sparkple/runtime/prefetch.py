@@ -245,9 +245,11 @@ class Prefetcher:
         self._rotate()
         ends = ids.reshape(-1, 1) * self.row_width + self._row_ends
         ends //= PAGE_SIZE
-        if not self._advised[ends].all():
+        marks = self._advised[ends]
+        if not marks.all():
             return False
-        self._advised[ends] |= _TOUCHED_NOW
+        marks |= _TOUCHED_NOW
+        self._advised[ends] = marks
         return True
 
     def _fresh_pages(self, pages: np.ndarray) -> np.ndarray:
