@@ -72,56 +72,74 @@ def row_ids_at(flat: np.ndarray, positions: np.ndarray, geometry: PLEGeometry) -
     request's ngram_size - 1 preceding tokens (its context) right before it in `flat`."""
     flat = np.asarray(flat, dtype=np.int64)
     back = np.arange(geometry.ngram_size, dtype=np.int64)[:, None]
-    return window_row_ids(flat[np.asarray(positions)[None, :] - back], geometry)
+    windows = flat[np.asarray(positions)[None, :] - back]  # a new array: the hash may write it
+    out = np.empty((windows.shape[1], geometry.num_heads), dtype=np.int64)
+    return WindowHash.of(geometry).rows_into(windows, out)
 
 
 def window_row_ids(windows: np.ndarray, geometry: PLEGeometry) -> np.ndarray:
     """Row ids from each token's window: windows[k] holds the token k positions back of each
     token (windows[0] the tokens themselves), int64[ngram_size, T], as the request stores them;
-    the EOS rule is applied here."""
-    preds = _predecessors(windows, geometry.eos_token_id)
-    return _mix(windows[0], preds, geometry)
+    the EOS rule is applied here (on a copy: `windows` is left as it is)."""
+    windows = np.array(windows, dtype=np.int64)
+    out = np.empty((windows.shape[1], geometry.num_heads), dtype=np.int64)
+    return WindowHash.of(geometry).rows_into(windows, out)
 
 
-def _predecessors(windows: np.ndarray, eos: int) -> list[np.ndarray]:
-    """t1..t(n-1) of each token, EOS past the first EOS met going back.
+class WindowHash:
+    """vLLM's hash of one geometry over token windows, a fixed handful of numpy calls however
+    many orders and heads (made once per geometry: a decode step hashes a few tokens, where
+    building the constants, or a call per order, would dominate).
 
-    Going back k <= n - 1 positions never leaves the token's request (its context comes
-    first): predecessor k is EOS exactly when one of t1..t(k-1) is an EOS (the n-gram never
-    reaches back across one).
+    x_g = XOR_{k<g} t_k * m_k is a running XOR down the window's rows; head h of order g reads
+    row offset[h] + floor_mod(x_g, size[h]).
     """
-    preds = [windows[1]]
-    seen = windows[1] == eos
-    for k in range(2, windows.shape[0]):
-        preds.append(np.where(seen, eos, windows[k]))
-        if k < windows.shape[0] - 1:
-            seen |= windows[k] == eos
-    return preds
 
+    def __init__(self, g: PLEGeometry) -> None:
+        self.ngram_size = g.ngram_size
+        self.num_heads = g.num_heads
+        self.eos = g.eos_token_id
+        self.multipliers = np.asarray(g.multipliers, dtype=np.int64)[:, None]
+        # the running-XOR row of each head: order g is row g - 1
+        self.head_rows = np.arange(g.num_heads, dtype=np.intp) // g.heads_per_ngram + 1
+        self.sizes = np.asarray(g.head_sizes, dtype=np.int64)
+        self.offsets = np.asarray(g.head_offsets, dtype=np.int64)
+        if (self.sizes < 1).any():
+            raise ValueError(f"head sizes must be positive, got {g.head_sizes[:4]}...")
+        # every id it makes: head h's are offset[h] + [0, size[h])
+        self.bounds = (int(self.offsets.min()), int((self.offsets + self.sizes).max()))
 
-@lru_cache(maxsize=16)
-def _mix_constants(g: PLEGeometry) -> tuple[np.ndarray, list[tuple[slice, np.ndarray, np.ndarray]]]:
-    """The hash's multipliers, and per order its heads' slice, sizes and offsets (made once
-    per geometry: a decode step hashes a few tokens, where building them would dominate)."""
-    sizes = np.asarray(g.head_sizes, dtype=np.int64)
-    offsets = np.asarray(g.head_offsets, dtype=np.int64)
-    orders = []
-    for order in range(2, g.ngram_size + 1):
-        heads = slice((order - 2) * g.heads_per_ngram, (order - 1) * g.heads_per_ngram)
-        orders.append((heads, sizes[heads], offsets[heads]))
-    return np.asarray(g.multipliers, dtype=np.int64), orders
+    @staticmethod
+    @lru_cache(maxsize=16)
+    def of(g: PLEGeometry) -> WindowHash:
+        return WindowHash(g)
 
+    def rows_into(
+        self,
+        windows: np.ndarray,
+        out: np.ndarray,
+        mixed: np.ndarray | None = None,
+        seen: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Row ids of each window into out (int64[T, num_heads]), returned.
 
-def _mix(t0: np.ndarray, preds: list[np.ndarray], g: PLEGeometry) -> np.ndarray:
-    m, orders = _mix_constants(g)
-    out = np.empty((t0.shape[0], g.num_heads), dtype=np.int64)
-    x = t0 * m[0]  # int64 arrays wrap on overflow, like torch.long
-    for k, (heads, sizes, offsets) in enumerate(orders):
-        x = x ^ (preds[k] * m[k + 1])
-        target = out[:, heads]
-        np.mod(x[:, None], sizes, out=target)  # floor mod, as torch's remainder
-        target += offsets
-    return out
+        windows: integer [ngram_size, T], overwritten: predecessor k becomes EOS where one of
+        t1..t(k-1) is an EOS (the n-gram never reaches back across one; going back k <=
+        ngram_size - 1 positions never leaves the token's request, its context comes first).
+        mixed (int64[ngram_size, T]) and seen (bool[ngram_size - 2, T]): scratch to reuse.
+        """
+        if self.ngram_size > 2:
+            seen = np.equal(windows[1:-1], self.eos, out=seen)
+            if self.ngram_size > 3:  # (one row is its own running OR)
+                np.logical_or.accumulate(seen, axis=0, out=seen)
+            np.copyto(windows[2:], self.eos, where=seen)
+        # int64 arrays wrap on overflow, like torch.long
+        mixed = np.multiply(windows, self.multipliers, out=mixed, dtype=np.int64)
+        np.bitwise_xor.accumulate(mixed, axis=0, out=mixed)
+        np.take(mixed.T, self.head_rows, axis=1, out=out, mode="clip")
+        np.mod(out, self.sizes, out=out)  # floor mod, as torch's remainder
+        out += self.offsets
+        return out
 
 
 def row_ids_torch(

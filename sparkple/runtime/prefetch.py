@@ -10,8 +10,11 @@ Mechanisms, fastest first (measured side by side in bench/ple_io.py):
 - `fadvise`: one posix_fadvise(WILLNEED) per coalesced range on the table's own fd: works on
   any Linux, the fallback when process_madvise is missing or refused.
 - `madvise`: one madvise(WILLNEED) per range on the mapping (what the reference did per page).
-Pages advised within the last `recent_s` seconds are skipped: re-advising a resident page
-costs a system call and gains nothing, and a page evicted since only costs a plain fault.
+Pages a batch touched within the last `recent_s` seconds (advised, or skipped as recent) are
+skipped: re-advising a resident page costs a system call and gains nothing, and a page
+evicted since only costs a plain fault. A page in use stays known however long ago it was
+advised: a decode step's rows, most of them on pages some earlier batch advised, would
+otherwise be advised again every `recent_s` or two (hundreds of system calls on a warm table).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ MECHANISMS = ("process_madvise", "fadvise", "madvise")
 _IOV_MAX = 1024  # UIO_MAXIOV: the most ranges one process_madvise call accepts
 _POOL_MIN_PAGES = 4096  # below this, one thread issues faster than it hands out work
 _FAST_CHECK_ROWS = 4096  # batches up to this size first check whether all pages are recent
+_TOUCHED_NOW = 1  # Prefetcher._advised: touched in this period (2: in the one before)
 # Syscalls added since Linux 5.1 have one number on every architecture.
 _SYS_PIDFD_OPEN = 434
 _SYS_PROCESS_MADVISE = 440
@@ -170,7 +174,7 @@ class Prefetcher:
     threads: pool size for prefill-sized batches (process_madvise and madvise).
     min_rows: batches smaller than this are not prefetched (0: prefetch every batch; the
       benchmark shows even one decode token's 16 rows gain from overlapping their faults).
-    recent_s: skip pages advised within the last `recent_s` to `2 * recent_s` seconds (0: never).
+    recent_s: skip pages touched within the last `recent_s` to `2 * recent_s` seconds (0: never).
     owned: a tensor-parallel rank's rows: ids outside them are not advised (the rank never
       reads them).
     """
@@ -198,8 +202,11 @@ class Prefetcher:
         self.threads = max(1, threads)
         self._pool: ThreadPoolExecutor | None = None
         npages = -(-(self.total_rows * self.row_width) // PAGE_SIZE)
-        self._recent = np.zeros(npages if recent_s > 0 else 0, dtype=bool)
-        self._older = np.zeros_like(self._recent)
+        # per page: bit 1 if touched in this period of recent_s, bit 2 if in the one before
+        # (one array: checking that pages are recent is one lookup)
+        self._advised = np.zeros(npages if recent_s > 0 else 0, dtype=np.uint8)
+        # the first and last byte of a row, from its first byte
+        self._row_ends = np.array([0, self.row_width - 1], dtype=np.int64)
         self._rotated_at = time.monotonic()
         self._pm: _ProcessMadvise | None = None
         self.mechanism = self._choose(mechanism)
@@ -223,33 +230,39 @@ class Prefetcher:
     def _rotate(self) -> None:
         now = time.monotonic()
         if now - self._rotated_at >= self.recent_s:
-            self._recent, self._older = self._older, self._recent
-            self._recent[:] = False
+            self._advised &= _TOUCHED_NOW  # this period's pages become the period before's
+            self._advised <<= 1
             self._rotated_at = now
 
-    def _all_recent(self, ids: np.ndarray) -> bool:
-        """Whether every page of these rows was advised recently (a decode step's few hundred
-        rows on a warm table): a few vector operations instead of planning the pages."""
-        first = ids * self.row_width
-        last = (first + (self.row_width - 1)) // PAGE_SIZE
-        first //= PAGE_SIZE
-        return bool(
-            (self._recent[first] | self._older[first]).all()
-            and (self._recent[last] | self._older[last]).all()
-        )
+    def all_recent(self, ids: np.ndarray) -> bool:
+        """Whether every page of these rows (int64 ids inside the table) was touched recently
+        (then they count as touched now): a decode step's few hundred rows on a warm table,
+        checked with a few vector operations instead of planning the pages. False for batches
+        over _FAST_CHECK_ROWS rows (planning is cheaper than checking first) and when nothing
+        is remembered (recent_s 0)."""
+        if self.recent_s <= 0 or ids.size > _FAST_CHECK_ROWS:
+            return False
+        self._rotate()
+        ends = ids.reshape(-1, 1) * self.row_width + self._row_ends
+        ends //= PAGE_SIZE
+        marks = self._advised[ends]
+        if not marks.all():
+            return False
+        marks |= _TOUCHED_NOW
+        self._advised[ends] = marks
+        return True
 
     def _fresh_pages(self, pages: np.ndarray) -> np.ndarray:
         if self.recent_s <= 0:
             return pages
         self._rotate()
-        new = pages[~(self._recent[pages] | self._older[pages])]
-        self._recent[new] = True
+        new = pages[self._advised[pages] == 0]
+        self._advised[pages] |= _TOUCHED_NOW  # the recent ones are in use again too
         return new
 
     def forget(self) -> None:
         """Forget which pages were advised (call after evicting the table's pages)."""
-        self._recent[:] = False
-        self._older[:] = False
+        self._advised[:] = 0
 
     def prefetch(self, row_ids: np.ndarray) -> PrefetchStats:
         t0 = time.perf_counter()
@@ -258,10 +271,8 @@ class Prefetcher:
             ids = self.owned.select(ids)
         if ids.size < self.min_rows or ids.size == 0:
             return PrefetchStats(ids.size, 0, 0, 0, time.perf_counter() - t0, "skipped")
-        if self.recent_s > 0 and ids.size <= _FAST_CHECK_ROWS:
-            self._rotate()
-            if self._all_recent(ids):
-                return PrefetchStats(ids.size, 0, 0, 0, time.perf_counter() - t0, "recent")
+        if self.all_recent(ids):
+            return PrefetchStats(ids.size, 0, 0, 0, time.perf_counter() - t0, "recent")
         pages = plan_page_numbers(ids, self.row_width)
         fresh = self._fresh_pages(pages)
         starts, lengths = coalesce_pages(fresh)

@@ -9,11 +9,11 @@ on the host before the step's device work has run. The rest (the sampled token a
 of decoding requests, a prompt's tail slots past its prefill length) exist only on the device.
 
 `split_step` plans the step from the host's own batch description; `host_pieces` (before the
-sync) and `plan_device` (before it) with `device_rows` (after it) turn each half into row-id
-pieces `(token offset, int64[T, num_heads])` that the gather writes at that offset of the step's
-staging slot. Row ids are computed on a compact layout (each segment with its own context),
-which hashes a token exactly as the whole batch would: a token's ids depend only on itself and
-the ngram_size - 1 tokens before it in its request.
+sync) and `plan_device` with `DeviceRows` (made before it, computed after it) turn each half
+into row-id pieces `(token offset, int64[T, num_heads])` that the gather writes at that
+offset of the step's staging slot. Row ids are computed on a compact layout (each segment
+with its own context), which hashes a token exactly as the whole batch would: a token's ids
+depend only on itself and the ngram_size - 1 tokens before it in its request.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from ..geometry import PLEGeometry
-from .ngram import row_ids, window_row_ids
+from .ngram import WindowHash, row_ids
 
 
 @dataclass(frozen=True)
@@ -158,16 +159,31 @@ class DevicePlan:
     """Where the n-gram window of each device token comes from, fixed before the sync.
 
     Each device token's window (itself and the ngram_size - 1 tokens before it) is read from
-    one source, [ngram_context.ravel(), span, host_values]: the device's context rows and its
-    copy of the step's tokens, then the prompt tokens of this step that some window reaches
-    back into (known on the host). Which entry each window slot reads is known from the host's
-    layout, so after the sync the windows are one take and the hash one call.
+    one source laid out as [ngram_context.ravel(), span, host_values]: the device's context
+    rows and its copy of the step's tokens, then the prompt tokens of this step that some
+    window reaches back into (known on the host). Which entry each window slot reads is known
+    from the host's layout, so after the sync the windows are one take and the hash a few
+    calls (DeviceRows); the host step copies the device's values straight into such a source.
     """
 
     windows_from: np.ndarray  # int64[ngram_size, T]: index into the source per window slot
     host_values: np.ndarray  # int64: the prompt tokens windows read
     runs: tuple[tuple[int, int], ...]  # (step offset, tokens): adjacent segments as one gather
     span_start: int  # the step offset the device's copy of the tokens starts at
+    span_base: int  # where that copy starts in the source (after the context rows)
+    host_base: int  # where host_values start in the source (after the copy)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.windows_from.shape[1])
+
+    @property
+    def source_size(self) -> int:
+        return self.host_base + int(self.host_values.shape[0])
+
+    def source(self, ngram_context: np.ndarray, span: np.ndarray) -> np.ndarray:
+        """The source from separate copies of the context and the tokens."""
+        return np.concatenate([ngram_context.reshape(-1), span, self.host_values])
 
 
 def plan_device(split: StepSplit, geometry: PLEGeometry) -> DevicePlan | None:
@@ -215,7 +231,43 @@ def plan_device(split: StepSplit, geometry: PLEGeometry) -> DevicePlan | None:
         ),
         runs=tuple((int(a), int(b)) for a, b in runs),
         span_start=span_start,
+        span_base=span_base,
+        host_base=host_base,
     )
+
+
+class DeviceRows:
+    """The row ids of a step's device tokens, into buffers made before the sync.
+
+    After it, `compute(source)` is one take of the windows from the source and the hash
+    (sparkple.runtime.ngram.WindowHash): a fixed handful of numpy calls, no allocation.
+    `ids` holds the plan's runs one after another: run k's rows land at its step offset;
+    `bounds` is [low, high) of every id the hash can write there.
+    """
+
+    def __init__(
+        self, plan: DevicePlan, geometry: PLEGeometry, dtype: npt.DTypeLike = np.int32
+    ) -> None:
+        n, tokens = plan.windows_from.shape
+        self.plan = plan
+        self._hash = WindowHash.of(geometry)
+        self.bounds = self._hash.bounds
+        self._windows = np.empty((n, tokens), dtype=dtype)  # the source's dtype (take's rule)
+        self._mixed = np.empty((n, tokens), dtype=np.int64)
+        self._seen = np.empty((max(n - 2, 0), tokens), dtype=bool)
+        self.ids = np.empty((tokens, geometry.num_heads), dtype=np.int64)
+        self.pieces: list[tuple[int, np.ndarray]] = []
+        taken = 0
+        for start, count in plan.runs:
+            self.pieces.append((start, self.ids[taken : taken + count]))
+            taken += count
+
+    def compute(self, source: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """Fill `ids` from the source (laid out as the plan says); returns the pieces
+        `(step offset, ids of the run)`, views of `ids`."""
+        np.take(source, self.plan.windows_from, out=self._windows, mode="clip")
+        self._hash.rows_into(self._windows, self.ids, self._mixed, self._seen)
+        return self.pieces
 
 
 def device_rows(
@@ -226,10 +278,5 @@ def device_rows(
     span: the step's token ids from plan.span_start on, as copied from the device;
     ngram_context: the device's per-request context [num_reqs, ngram_size - 1].
     """
-    source = np.concatenate([ngram_context.reshape(-1), span, plan.host_values])
-    rows = window_row_ids(source.astype(np.int64, copy=False)[plan.windows_from], geometry)
-    out, taken = [], 0
-    for start, count in plan.runs:
-        out.append((start, rows[taken : taken + count]))
-        taken += count
-    return out
+    source = plan.source(ngram_context, span)
+    return DeviceRows(plan, geometry, source.dtype).compute(source)

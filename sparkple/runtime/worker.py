@@ -13,6 +13,14 @@ A step may also be filled in pieces, each at its own token offset of the step's 
     worker.gather_inline(seq, [(start, ids)])  # gathered now, on the calling thread
     rows = worker.wait(seq, tokens)            # every background piece of seq is in
 
+A step whose last rows depend on a device sync is prepared before it, so that after it the
+gather and the upload are a few calls into views made before:
+    job = worker.prepare_inline(seq, ids, runs)   # ids: a buffer filled after the sync
+    upload = worker.prepare_upload(seq, tokens, out)
+    ... the sync; ids filled ...
+    worker.gather_prepared(job)                   # one range check, the advice, the takes
+    worker.wait_for(seq); worker.upload_prepared(upload); worker.release(seq)
+
 For each piece the thread computes the row ids (sparkple.runtime.ngram) where it was given tokens,
 prefetches their pages, gathers the rows into the step's staging slot and then publishes the
 piece's ticket through the handshake. A slot is handed out again only after the device copy
@@ -26,6 +34,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +42,7 @@ import numpy as np
 
 from ..errors import HandshakeError
 from ..geometry import PLEGeometry
-from .gather import gather_rows
+from .gather import check_row_range, gather_rows
 from .handshake import DEFAULT_TIMEOUT_S, Publisher, SeqFlag, Waiter
 from .ngram import row_ids as compute_row_ids
 from .prefetch import Prefetcher, PrefetchStats
@@ -62,6 +71,28 @@ class _Job:
     ticket: int
     pieces: list[tuple[int, np.ndarray]] | None = None  # (token offset, row ids [T, H])
     tokens: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+
+@dataclass
+class InlineGather:
+    """A gather on the calling thread, prepared before the ids exist (prepare_inline)."""
+
+    step: _Step
+    ids: np.ndarray  # int64[N]: every run's ids, the caller's buffer (filled later)
+    takes: list[tuple[np.ndarray, np.ndarray]]  # per run: its ids, the staging it lands in
+    pieces: list[tuple[int, np.ndarray]]  # per run: (step offset, ids [T, H])
+    end: int  # the end of the furthest run
+    check: bool  # whether the ids' range is checked after they are in
+
+
+@dataclass
+class Upload:
+    """A step's upload into a device buffer, its views made ahead (prepare_upload)."""
+
+    step: _Step
+    host: torch.Tensor  # the staging slot's first rows
+    device: torch.Tensor  # as many rows of the device buffer
+    cuda: bool
 
 
 @dataclass
@@ -128,6 +159,7 @@ class GatherWorker:
         self.owned = owned
         shape = (slots, max_tokens, geometry.num_heads, table.row_width)
         self._pinned: torch.Tensor | None = None
+        self._staging_tensor: torch.Tensor | None = None  # torch's view of staging (uploads)
         if pin_memory:
             self._pinned = host_tensor(shape, "uint8", pin=True)
             self.staging = self._pinned.numpy()
@@ -246,24 +278,88 @@ class GatherWorker:
 
     def gather_inline(self, seq: int, pieces: list[tuple[int, Any]]) -> None:
         """Gather rows now, on the calling thread (a decode step's few hundred rows gather in
-        less time than a hand-off to the thread takes). Their pages are advised first, on this
-        thread too: on a warm table the advice is a check of recently advised pages; on a cold
-        one it puts every read in flight before the gather waits for the first. (Advice from a
-        helper thread was measured slower warm, as fast cold: it contends for the GIL.)"""
-        with self._lock:
-            step = self._step(seq)
+        less time than a hand-off to the thread takes)."""
         checked = [(int(start), self._checked_ids(ids)) for start, ids in pieces]
-        end = max((start + ids.shape[0] for start, ids in checked), default=0)
+        checked = [(start, ids) for start, ids in checked if ids.shape[0]]
+        ids = np.concatenate([ids for _, ids in checked]) if checked else self._no_ids()
+        runs = [(start, ids.shape[0]) for start, ids in checked]
+        self.gather_prepared(self.prepare_inline(seq, ids, runs))
+
+    def _no_ids(self) -> np.ndarray:
+        return np.empty((0, self.geometry.num_heads), dtype=np.int64)
+
+    def prepare_inline(
+        self,
+        seq: int,
+        ids: np.ndarray,
+        runs: Sequence[tuple[int, int]],
+        bounds: tuple[int, int] | None = None,
+    ) -> InlineGather:
+        """A gather of `ids` (int64[T, num_heads], filled later) into step `seq`'s slot, for
+        gather_prepared: run k, `(step offset, tokens)`, takes the next `tokens` rows of ids.
+        The shapes are checked here; the values there, unless `bounds` ([low, high) of every
+        id the producer can write, a hash's) are checked against the table here instead."""
+        # the buffer itself, never a converted copy: its values are written after this call
+        if not isinstance(ids, np.ndarray) or ids.dtype != np.int64 or not ids.flags.c_contiguous:
+            raise ValueError("prepared row ids must be a C-contiguous int64 numpy buffer")
+        ids = self._checked_ids(ids)
+        heads, width = self.geometry.num_heads, self.table.row_width
+        if sum(count for _, count in runs) != ids.shape[0]:
+            raise ValueError(f"runs {list(runs)} do not cover the {ids.shape[0]} tokens of ids")
+        end = max((start + count for start, count in runs), default=0)
         if end > self.max_tokens:
             self._count("staging_overruns")
             raise ValueError(
                 f"step {seq} needs {end} token rows, the staging holds {self.max_tokens}"
             )
-        if not checked:
-            return
-        self._gather(step.slot, checked)
+        if bounds is not None:
+            low, high = bounds
+            check_row_range(np.array([low, high - 1]), self.table.meta.total_rows)
         with self._lock:
-            step.tokens = max(step.tokens, end)
+            step = self._step(seq)
+        staging = self.staging[step.slot]
+        takes, pieces, taken = [], [], 0
+        for start, count in runs:
+            run = ids[taken : taken + count]
+            pieces.append((int(start), run))
+            staged = staging[start : start + count].reshape(count * heads, width)  # a view
+            takes.append((run.reshape(-1), staged))
+            taken += count
+        return InlineGather(step, ids.reshape(-1), takes, pieces, end, bounds is None)
+
+    def gather_prepared(self, job: InlineGather) -> None:
+        """The prepared gather, now that its ids are in: one range check for the advice and
+        the takes (none when their bounds were checked before), the pages advised (on a warm
+        table a check of recently advised pages; on a cold one every read in flight before
+        the first take waits), then one take per run. (Advice from a helper thread was
+        measured slower warm, as fast cold: it contends for the GIL.)"""
+        ids = job.ids
+        if ids.size:
+            if job.check:
+                check_row_range(ids, self.table.meta.total_rows)
+            if self.owned is not None:  # a rank's rows: zeros for the others
+                self._gather(job.step.slot, job.pieces)
+            else:
+                issued = self._advise(ids)
+                rows = self.table.rows
+                for run, staged in job.takes:
+                    # mode="clip" (ids are checked above): "raise" would buffer the output
+                    np.take(rows, run, axis=0, out=staged, mode="clip")
+                counts = {"gather_calls": 1, "rows_gathered": int(ids.size)}
+                if issued is not None:
+                    counts.update(prefetch_calls=1, pages_prefetched=issued)
+                self._count_all(counts)
+        with self._lock:
+            job.step.tokens = max(job.step.tokens, job.end)
+
+    def _advise(self, ids: np.ndarray) -> int | None:
+        """WILLNEED for checked ids: the pages issued, None without a prefetcher."""
+        if self.prefetcher is None:
+            return None
+        with self._prefetch_lock:
+            if self.prefetcher.all_recent(ids):
+                return 0
+            return self.prefetcher.prefetch(ids).issued_pages
 
     def _step(self, seq: int) -> _Step:
         step = self._held.get(seq)
@@ -316,6 +412,10 @@ class GatherWorker:
         if self.stats is not None:
             self.stats.add(name, amount)
 
+    def _count_all(self, amounts: dict[str, int]) -> None:
+        if self.stats is not None:
+            self.stats.add_all(amounts)
+
     # ---------------------------------------------------------------- consumer side
 
     def wait(
@@ -326,6 +426,11 @@ class GatherWorker:
 
         Raises HandshakeTimeout, ProducerDied, or the error the worker hit on this step.
         """
+        step = self.wait_for(seq, timeout_s)
+        return self.staging[step.slot, : step.tokens if tokens is None else tokens]
+
+    def wait_for(self, seq: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> _Step:
+        """Wait until every background piece of step `seq` is in (raises as wait does)."""
         with self._lock:
             step = self._step(seq)
             ticket = step.ticket
@@ -343,7 +448,7 @@ class GatherWorker:
                 ]
             if errors:
                 raise errors[0]
-        return self.staging[step.slot, : step.tokens if tokens is None else tokens]
+        return step
 
     def info(self, seq: int) -> StepInfo:
         """What the thread did for step `seq`'s last background piece."""
@@ -381,6 +486,27 @@ class GatherWorker:
         target.copy_(host.view(target.shape), non_blocking=self._pinned is not None)
         if target.device.type == "cuda":
             self._copied(seq)
+
+    def prepare_upload(self, seq: int, tokens: int, out: torch.Tensor) -> Upload:
+        """The views of step `seq`'s upload of its first `tokens` rows into out[:tokens] (a
+        device buffer [max_tokens, heads, row_width]), for upload_prepared."""
+        import torch
+
+        if self._staging_tensor is None:
+            pinned = self._pinned
+            self._staging_tensor = torch.from_numpy(self.staging) if pinned is None else pinned
+        with self._lock:
+            step = self._step(seq)
+        host = self._staging_tensor[step.slot, :tokens]
+        device = out[:tokens].view(host.shape)
+        return Upload(step, host, device, device.device.type == "cuda")
+
+    def upload_prepared(self, upload: Upload) -> None:
+        """The prepared upload, as upload does it: asynchronous from pinned staging, the slot
+        refilled only after the copy completed."""
+        upload.device.copy_(upload.host, non_blocking=self._pinned is not None)
+        if upload.cuda:
+            self._copied(upload.step.seq)
 
     def _copied(self, seq: int) -> None:
         """Mark the device copy just queued from step `seq`'s slot (an event on its stream)."""

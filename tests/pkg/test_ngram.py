@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from sparkple.builder.synth import make_config
 from sparkple.geometry import PLEGeometry
-from sparkple.runtime.ngram import row_ids, row_ids_torch
+from sparkple.runtime.ngram import WindowHash, row_ids, row_ids_torch, window_row_ids
 
 M64 = (1 << 64) - 1
 EOS = 5  # a small vocabulary makes EOS frequent in random sequences
@@ -45,6 +45,9 @@ SMALL = PLEGeometry.from_config(make_config(vocab_base=1000, eos_token_id=EOS, v
 FOUR = PLEGeometry.from_config(
     make_config(vocab_base=500, ngram_size=4, heads_per_ngram=2, head_dim=32, eos_token_id=EOS)
 )
+TWO = PLEGeometry.from_config(
+    make_config(vocab_base=700, ngram_size=2, heads_per_ngram=3, head_dim=32, eos_token_id=EOS)
+)
 
 
 def batch(requests: list[tuple[list[int], list[int]]]):
@@ -77,7 +80,7 @@ def requests(draw, geometry, tok):
     ]
 
 
-@pytest.mark.parametrize("geometry", [SMALL, FOUR], ids=["trigram", "4gram"])
+@pytest.mark.parametrize("geometry", [SMALL, FOUR, TWO], ids=["trigram", "4gram", "bigram"])
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
 def test_matches_reference_with_eos_inside(geometry, data):
@@ -112,6 +115,19 @@ def test_chunked_equals_at_once(seq, cuts):
         ctx = (start_ctx + seq[:a])[-2:]  # the two tokens before the chunk, oldest first
         parts.append(row_ids(np.array(seq[a:b]), np.array([0, b - a]), np.array([ctx]), g))
     assert np.array_equal(np.concatenate(parts), whole)
+
+
+@pytest.mark.parametrize("geometry", [SMALL, FOUR, TWO, REAL], ids=["3", "4", "2", "real"])
+def test_window_hash_ids_lie_within_its_bounds_and_leave_the_windows_alone(geometry):
+    rng = np.random.default_rng(3)
+    windows = rng.integers(-(2**62), 2**62, (geometry.ngram_size, 2000))
+    windows[rng.random(windows.shape) < 0.2] = geometry.eos_token_id
+    before = windows.copy()
+    ids = window_row_ids(windows, geometry)
+    assert np.array_equal(windows, before)
+    low, high = WindowHash.of(geometry).bounds
+    assert (low, high) == (min(geometry.head_offsets), geometry.addressed_rows)
+    assert low <= ids.min() and ids.max() < high
 
 
 def test_padding_tokens_continue_the_last_request_and_bad_layouts_fail():

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from sparkple.errors import TableError
+from sparkple.runtime import prefetch as prefetch_module
 from sparkple.runtime.pagecache import evict, resident_fraction, resident_pages
 from sparkple.runtime.prefetch import (
     MECHANISMS,
@@ -118,6 +119,31 @@ def test_recently_advised_pages_are_skipped(cold_table):
     assert pf.prefetch(ids).issued_pages == first.pages
     never_skip = Prefetcher(table, recent_s=0)
     assert never_skip.prefetch(ids).issued_pages == first.pages
+
+
+def test_pages_stay_recent_for_one_period_after_they_were_last_touched(cold_table, monkeypatch):
+    table, _ = cold_table
+    now = [0.0]
+    clock = SimpleNamespace(monotonic=lambda: now[0], perf_counter=time.perf_counter)
+    monkeypatch.setattr(prefetch_module, "time", clock)
+    pf = Prefetcher(table, recent_s=10)
+    ids = np.random.default_rng(6).integers(0, table.rows.shape[0], (16, 16)).reshape(-1)
+    assert not pf.all_recent(ids)
+    first = pf.prefetch(ids)
+    assert first.issued_pages > 0 and pf.all_recent(ids)
+    for period in (10.0, 20.0):  # each period, found in the one before and touched again
+        now[0] = period
+        assert pf.prefetch(ids).mechanism == "recent"
+    # a batch with a new row: its page is advised, the others count as touched now
+    now[0] = 30.0
+    assert pf.prefetch(np.concatenate([ids[:8], [table.rows.shape[0] - 1]])).issued_pages == 1
+    now[0] = 40.0  # the rest was last touched two periods ago: advised again
+    assert not pf.all_recent(ids) and pf.all_recent(ids[:8])
+    again = np.setdiff1d(
+        plan_page_numbers(ids, pf.row_width), plan_page_numbers(ids[:8], pf.row_width)
+    )
+    assert pf.prefetch(ids).issued_pages == again.size > 0
+    assert not Prefetcher(table, recent_s=0).all_recent(ids)  # nothing remembered
 
 
 def test_small_batches_below_min_rows_are_not_prefetched(cold_table):

@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 
 from sparkple.runtime.ngram import row_ids
-from sparkple.runtime.stepsplit import device_rows, host_pieces, plan_device, split_step
+from sparkple.runtime.stepsplit import (
+    DeviceRows,
+    device_rows,
+    host_pieces,
+    plan_device,
+    split_step,
+)
 from sparkple.runtime.table import open_table
 from sparkple.runtime.worker import GatherWorker
 
@@ -65,23 +71,36 @@ def random_step(rng, geometry, num_reqs: int, with_drafts: bool):
     }
 
 
-def staged(worker, seq, split, step, geometry):
+def staged(worker, seq, split, step, geometry, prepared=True):
     """The step through the worker as the host step runs it: prompt rows to the thread
-    before the sync, the device's tokens gathered inline after it."""
+    before the sync, and the device tokens' windows, id buffers and gather prepared then;
+    after it, the device's values land in one int32 source laid out as the plan reads it
+    (as the backend's pinned copy does), and their rows are gathered inline. Not prepared:
+    device_rows and gather_inline from separate copies, after the sync."""
     worker.open_step(seq)
     worker.submit_pieces(seq, host_pieces(split, geometry))
     plan = plan_device(split, geometry)  # before the sync
-    if plan is not None:
-        lo, hi = split.device_span()
-        span = step["input_ids"][lo:hi]
+    lo, hi = split.device_span()
+    span = step["input_ids"][lo:hi]
+    if plan is not None and prepared:
+        rows = DeviceRows(plan, geometry)
+        job = worker.prepare_inline(seq, rows.ids, plan.runs)
+        source = np.full(plan.source_size + 5, -1, dtype=np.int32)[: plan.source_size]
+        source[plan.host_base :] = plan.host_values
+        source[: plan.span_base] = step["ctx"].reshape(-1)  # the sync: the device's values
+        source[plan.span_base : plan.host_base] = span
+        rows.compute(source)
+        worker.gather_prepared(job)
+    elif plan is not None:
         worker.gather_inline(seq, device_rows(plan, span, step["ctx"], geometry))
     rows = worker.wait(seq, 30, tokens=split.num_real).copy()
     worker.release(seq)
     return rows
 
 
+@pytest.mark.parametrize("prepared", [True, False])
 @pytest.mark.parametrize("with_drafts", [False, True])
-def test_split_steps_stage_the_rows_of_the_whole_batch(table, built_table, with_drafts):
+def test_split_steps_stage_the_rows_of_the_whole_batch(table, built_table, with_drafts, prepared):
     geometry = built_table.geometry
     rng = np.random.default_rng(21 + with_drafts)
     with GatherWorker(table, geometry, max_tokens=2048, slots=3) as worker:
@@ -99,7 +118,7 @@ def test_split_steps_stage_the_rows_of_the_whole_batch(table, built_table, with_
             )
             want = row_ids(step["input_ids"], step["qsl"], step["ctx"], geometry)
             assert split.num_real == want.shape[0]
-            got = staged(worker, seq, split, step, geometry)
+            got = staged(worker, seq, split, step, geometry, prepared)
             np.testing.assert_array_equal(got, direct_rows(table.data_path, want, table.row_width))
             # prompt tokens are exactly the host's: positions below the prefill length that
             # are not draft slots

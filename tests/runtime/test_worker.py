@@ -234,6 +234,54 @@ def test_upload_fills_the_head_of_a_persistent_buffer(table, built_table):
     assert (out[5:] == 7).all()  # the rest is the caller's (the backend zeroes padding rows)
 
 
+def test_a_gather_prepared_before_its_ids_exist(table, built_table):
+    """As the host step runs a decode step: the slot views are made before the device sync,
+    the ids are written into the caller's buffer after it, then gathered and uploaded; the
+    rows of two runs land at their offsets, next to a prompt piece from the thread."""
+    torch = pytest.importorskip("torch")
+    g = built_table.geometry
+    rng = np.random.default_rng(8)
+    stats = PLEStats()
+    prompt = rng.integers(0, table.total_rows, (4, H))
+    later = rng.integers(0, table.total_rows, (5, H))
+    out = torch.zeros((16, H, table.row_width), dtype=torch.uint8)
+    with GatherWorker(table, g, max_tokens=16, stats=stats) as worker:
+        worker.open_step(1)
+        worker.submit_pieces(1, [(2, prompt)])
+        ids = np.zeros((5, H), dtype=np.int64)  # filled after the "sync"
+        job = worker.prepare_inline(1, ids, [(0, 2), (6, 3)], bounds=(0, table.total_rows))
+        upload = worker.prepare_upload(1, 9, out)
+        ids[:] = later
+        worker.gather_prepared(job)
+        worker.wait_for(1, 30)
+        worker.upload_prepared(upload)
+        worker.release(1)
+        refused = (
+            (ids, [(0, 4)], "do not cover"),
+            (ids.T, [(0, 5)], "row ids must be"),
+            (np.zeros((5, H), np.int32), [(0, 5)], "C-contiguous int64"),
+            (ids, [(12, 5)], "staging holds 16"),
+        )
+        for seq, (bad, runs, match) in enumerate(refused, start=2):
+            worker.open_step(seq)
+            with pytest.raises(ValueError, match=match):
+                worker.prepare_inline(seq, bad, runs)
+            worker.release(seq)
+        worker.open_step(9)
+        job = worker.prepare_inline(9, np.full((1, H), table.total_rows, np.int64), [(0, 1)])
+        with pytest.raises(TableError, match="outside the table"):
+            worker.gather_prepared(job)  # checked once the ids are in
+        with pytest.raises(TableError, match="outside the table"):  # or before, as bounds
+            worker.prepare_inline(9, ids, [(0, 5)], bounds=(0, table.total_rows + 1))
+        worker.release(9)
+    want = np.concatenate([later[:2], prompt, later[2:]])
+    np.testing.assert_array_equal(out[:9].numpy(), table_rows(table, want))
+    assert (out[9:] == 0).all()
+    counters = stats.snapshot()["counters"]
+    assert counters["rows_gathered"] == 9 * H and counters["gather_calls"] == 2
+    assert counters["prefetch_calls"] == 2
+
+
 @pytest.mark.gpu
 def test_pinned_staging_and_cuda_decode(table, built_table):
     torch = pytest.importorskip("torch")
