@@ -1,9 +1,13 @@
 # The two set-up commands of the README; everything they need is installed by .ci/ scripts.
-.PHONY: test lab lab-destroy gpu-check gpu-bundle
+.PHONY: test test-stress lab lab-destroy gpu-check gpu-bundle
 
 # every test: pytest, ruff, mypy, yamllint, template syntax, ansible-lint, molecule scenarios
 test:
 	bash .ci/test
+
+# the pytest phase of `make test` with stress-ng loading the CPUs, the disk and memory beside it
+test-stress:
+	bash .ci/test-stress
 
 # create the lab target (a local systemd container standing in for a Spark) and run site.yml on it
 lab:

@@ -6,9 +6,9 @@
 Drives the real host step: the rendered patch's packed-table backend under vLLM 0.33.0's own
 Qwen4ExpModelState.prepare_inputs (and add_request/remove_request), with steps built from
 vLLM's RequestState and InputBatch as the equivalence tests build them (it runs in the vLLM
-test venv the tests create, .cache/vllm-venv). The workload is a Spark's: four requests, one a
-16,384-token prompt in 2,048-token chunks, three decoding with MTP 3 (4 tokens a step), then
-all four decoding. The GPU is modelled as busy for a set time per step (--decode-ms,
+test venv of the machine's cache, tests/wheel_cache.py). The workload is a Spark's: four
+requests, one a 16,384-token prompt in 2,048-token chunks, three decoding with MTP 3 (4 tokens
+a step), then all four decoding. The GPU is modelled as busy for a set time per step (--decode-ms,
 --chunk-ms; defaults from the Spark's published rates), asynchronous scheduling as vLLM runs
 it: the host prepares step N+1 while step N is on the device, and the host step's wait for the
 device's inputs ends when step N's modelled work ends.
@@ -45,8 +45,6 @@ from measure import log, read_bytes
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-VENV_PYTHON = ROOT / ".cache" / "vllm-venv" / "bin" / "python"
-ORIGINALS = ROOT / ".cache" / "vllm-0.33.0-sources" / "vllm"
 PROMPT_TOKENS = 16_384
 CHUNK = 2_048
 DECODERS = 3
@@ -62,22 +60,21 @@ OLD_SPIN_S = 0.00005  # what the previous rendered module passed to the handshak
 def driver(args: argparse.Namespace) -> int:
     from sparkple import patch
 
-    if not VENV_PYTHON.is_file() or not ORIGINALS.is_dir():
-        log(
-            f"needs the vLLM test venv ({VENV_PYTHON}) and the wheel's sources ({ORIGINALS}): "
-            "run `pytest -q tests/vllm/test_vllm_integration.py` once to create them"
-        )
-        return 2
+    # the vLLM test venv and the wheel's sources from the machine's cache (built when missing)
+    sys.path.insert(0, str(ROOT / "tests"))
+    import wheel_cache
+
+    venv_python, originals = wheel_cache.vllm_venv(), wheel_cache.vllm_originals()
     args.work.mkdir(parents=True, exist_ok=True)
     from synthtable import ensure_table
 
     table_dir, config, _ = ensure_table(args.work, args.table_gib)
     with tempfile.TemporaryDirectory() as tmp:
         rendered = Path(tmp) / "rendered"
-        patch.render("vllm-0.33", ORIGINALS, rendered)
+        patch.render("vllm-0.33", originals, rendered)
         inner = Path(tmp) / "inner.json"
         cmd = [
-            str(VENV_PYTHON),
+            str(venv_python),
             __file__,
             "--inner",
             str(inner),

@@ -28,7 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from wheel_cache import CACHE, VLLM_VERSION, extract_once, vllm_wheel  # noqa: E402
+from wheel_cache import VLLM_VERSION, extract_once, vllm_venv, vllm_wheel  # noqa: E402
 
 MIB = 1024**2
 MAX_BYTES = 60 * MIB
@@ -40,15 +40,15 @@ WHEEL_PARTS = (".py", "py.typed", ".dist-info/METADATA", ".dist-info/entry_point
 WITH_TORCH = {"torch", "triton", "sparkple", "vllm"}
 
 
-def extract_sources(wheel: Path, dest: Path) -> Path:
-    """The wheel's vllm package without compiled parts, and its metadata, into dest."""
+def extract_sources(wheel: Path) -> Path:
+    """The wheel's vllm package without compiled parts, and its metadata (a cache entry)."""
 
     def wanted(member: str) -> bool:
         top = member.split("/", 1)[0]
         package = top == "vllm" or top == f"vllm-{VLLM_VERSION}.dist-info"
         return package and member.endswith(WHEEL_PARTS)
 
-    return extract_once(wheel, dest, "vllm-python-sources", wanted, str(WHEEL_PARTS))
+    return extract_once(wheel, "vllm-python", wanted, str(WHEEL_PARTS))
 
 
 def run(cmd: list[str], **kwargs) -> str:
@@ -89,7 +89,7 @@ def project_files() -> list[str]:
 
 def build(python: str, out: Path) -> Path:
     wheel = vllm_wheel()
-    sources = extract_sources(wheel, CACHE / f"vllm-{VLLM_VERSION}-python")
+    sources = extract_sources(wheel)
     with tempfile.TemporaryDirectory() as tmp:
         stage = Path(tmp) / NAME
         for rel in project_files():
@@ -135,22 +135,19 @@ def build(python: str, out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpu/bundle.py")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("sources").add_argument("dest", type=Path)
+    sub.add_parser("sources")
     b = sub.add_parser("build")
-    b.add_argument("--python", default=str(CACHE / "vllm-venv" / "bin" / "python"))
-    b.add_argument("--out", type=Path, default=CACHE / "gpu-bundle" / f"{NAME}.tar.gz")
+    b.add_argument("--python", help="default: the vLLM test venv (built when missing)")
+    b.add_argument("--out", type=Path, default=REPO / ".cache" / "gpu-bundle" / f"{NAME}.tar.gz")
     args = parser.parse_args(argv)
     if args.command == "sources":
-        print(extract_sources(vllm_wheel(), args.dest.resolve()))
+        print(extract_sources(vllm_wheel()))
         return 0
-    if not Path(args.python).exists():
-        print(
-            f"gpu-bundle: no Python at {args.python}: pass --python, or run "
-            "`pytest tests/vllm/test_gpu_check.py` once (it builds the vLLM test venv)",
-            file=sys.stderr,
-        )
+    python = args.python or str(vllm_venv())
+    if not Path(python).exists():
+        print(f"gpu-bundle: no Python at {python}: pass --python with vLLM 0.33.0", file=sys.stderr)
         return 2
-    print(build(args.python, args.out.resolve()))
+    print(build(python, args.out.resolve()))
     return 0
 
 

@@ -59,7 +59,7 @@ elif [[ -n ${SPARKPLE_GPU_RENDERED:-} ]]; then
     rendered=$SPARKPLE_GPU_RENDERED
 else
     # a checkout: vLLM 0.33.0's Python sources from the cached wheel, the patch rendered here
-    sources=$("$python" gpu/bundle.py sources .cache/vllm-0.33.0-python | tail -1)
+    sources=$("$python" gpu/bundle.py sources | tail -1)
     vllm_path=$sources
     rendered=$work/rendered
     PYTHONPATH=$root "$python" -m sparkple.cli patch render --profile vllm-0.33 \
@@ -91,8 +91,9 @@ for check in "${checks[@]}"; do
     results+=("$name=$out/$name.json")
 done
 # the gpu-marked tests too, where PYTHON has pytest and an installed vLLM (the tests run
-# their scripts with it) and the checkout caches the wheel they read
-if [[ $device == cuda && ! -d bundle ]] && ls .cache/*/vllm-0.33.0-*.whl >/dev/null 2>&1 \
+# their scripts with it) and the machine's cache (SPARKPLE_CACHE) holds the wheel they read
+if [[ $device == cuda && ! -d bundle ]] \
+    && ls "${SPARKPLE_CACHE:-$HOME/.cache/sparkple}"/wheels/vllm-0.33.0-*.whl >/dev/null 2>&1 \
     && env -u PYTHONPATH "$python" -c 'import pytest, vllm' >/dev/null 2>&1; then
     echo "gpu-check: the gpu-marked tests"
     SPARKPLE_VLLM_PYTHON=$python timeout "$limit" "$python" -m pytest -q -p no:cacheprovider \

@@ -1,12 +1,22 @@
-"""The vLLM 0.33.0 wheel from PyPI, downloaded once per machine into the git-ignored `.cache/`.
+"""The machine's cache (SPARKPLE_CACHE, default ~/.cache/sparkple): the vLLM 0.33.0 wheel from
+PyPI, the parts of it the tests extract, and the vLLM test venv, shared by every checkout.
 
-Shared by the tests that read vLLM's own code (tests/pkg cross-checks, tests/vllm patches and
-integration), so there is one download, under one lock.
+Every entry is named by a hash of what it is built from (the wheel's name, the pins, the
+requirements, the selection of members), built under a lock and marked complete only at the
+end: a change builds a new entry, a clean clone reuses the one that is there, and no reader
+ever sees a half-built one (it waits on the lock). Shared by the tests that read vLLM's own
+code (tests/pkg cross-checks, tests/vllm patches and integration), gpu/bundle.py and bench/.
+
+`python3 tests/wheel_cache.py vllm-venv` builds the venv (.ci/setup-venv runs it in the
+background while the other phases start) and prints its Python.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,14 +26,36 @@ from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CACHE = REPO / ".cache"
 VLLM_VERSION = "0.33.0"
-WHEEL_DIR = CACHE / "vllm-wheel"
+VENV_REQUIREMENTS = REPO / "tests" / "vllm" / "venv-requirements.txt"
+# The wheel's own pins that the venv follows (vision models and ModelConfig's inspection import
+# torchvision, which only loads beside the torch it was built for).
+PINNED = ("torch", "torchvision")
+# Everything below vllm/ in the wheel that the patch profile and the integration test read.
+ORIGINAL_PREFIXES = (
+    "vllm/models/qwen4_exp/",
+    "vllm/model_executor/model_loader/ep_weight_filter.py",
+)
+
+
+def cache_root() -> Path:
+    """SPARKPLE_CACHE, or ~/.cache/sparkple (the same default as .ci/env)."""
+    configured = os.environ.get("SPARKPLE_CACHE", "").strip()
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "sparkple"
+
+
+CACHE = cache_root()
+WHEEL_DIR = CACHE / "wheels"
+
+
+def key(*inputs: str) -> str:
+    """A short hash of an entry's inputs: part of its name, so other inputs give another entry."""
+    return hashlib.sha256("\0".join(inputs).encode()).hexdigest()[:16]
 
 
 @contextmanager
 def locked(name: str) -> Iterator[None]:
-    CACHE.mkdir(exist_ok=True)
+    CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
@@ -38,37 +70,90 @@ def pip(python: Path | str, *args: str) -> None:
 
 def vllm_wheel() -> Path:
     with locked("vllm-wheel"):
-        # any folder of .cache/ that already holds the wheel (other tests fetch it too)
-        wheels = sorted(CACHE.glob(f"*/vllm-{VLLM_VERSION}-*.whl"))
+        wheels = sorted(WHEEL_DIR.glob(f"vllm-{VLLM_VERSION}-*.whl"))
         if not wheels:
-            pip(
-                sys.executable,
-                "download",
-                "--no-deps",
-                f"vllm=={VLLM_VERSION}",
-                "-d",
-                str(WHEEL_DIR),
-            )
+            # pip writes the wheel under a temporary name and renames it: never a partial file
+            spec = f"vllm=={VLLM_VERSION}"
+            pip(sys.executable, "download", "--no-deps", spec, "-d", str(WHEEL_DIR))
             wheels = sorted(WHEEL_DIR.glob(f"vllm-{VLLM_VERSION}-*.whl"))
         if not wheels:
             raise RuntimeError(f"pip download left no vllm {VLLM_VERSION} wheel in {WHEEL_DIR}")
         return wheels[0]
 
 
-def extract_once(
-    wheel: Path, dest: Path, lock: str, wanted: Callable[[str], bool], recipe: str
-) -> Path:
-    """The wheel's members that `wanted` accepts, extracted into dest under `lock` and marked
-    complete at the end (with the wheel's name and `recipe`, which says what was selected), so
-    an interrupted or differently selected extraction is redone rather than trusted."""
+def extract_once(wheel: Path, name: str, wanted: Callable[[str], bool], recipe: str) -> Path:
+    """The wheel's members that `wanted` accepts, extracted into the entry `name-KEY` (KEY from
+    the wheel's name and `recipe`, which says what was selected) under its lock, and marked
+    complete at the end, so an interrupted extraction is redone rather than trusted."""
+    dest = CACHE / f"{name}-{key(wheel.name, recipe)}"
     done = dest / ".complete"
-    stamp = f"{wheel.name}\n{recipe}\n"
-    with locked(lock):
-        if not (done.is_file() and done.read_text() == stamp):
+    with locked(dest.name):
+        if not done.is_file():
             shutil.rmtree(dest, ignore_errors=True)
             with zipfile.ZipFile(wheel) as archive:
                 for member in archive.namelist():
                     if wanted(member):
                         archive.extract(member, dest)
-            done.write_text(stamp)
+            done.write_text(f"{wheel.name}\n{recipe}\n")
     return dest
+
+
+def vllm_originals() -> Path:
+    """The `vllm` package directory of the files the patch profile touches (paths inside it as
+    the profile names them)."""
+
+    def wanted(member: str) -> bool:
+        return member.startswith(ORIGINAL_PREFIXES) and member.endswith(".py")
+
+    return extract_once(vllm_wheel(), "vllm-sources", wanted, str(ORIGINAL_PREFIXES)) / "vllm"
+
+
+def wheel_pins(wheel: Path, names: tuple[str, ...] = PINNED) -> list[str]:
+    """`name==version` for each of names, as the wheel's METADATA pins them."""
+    with zipfile.ZipFile(wheel) as archive:
+        (meta,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+        text = archive.read(meta).decode()
+    pins = {}
+    for match in re.finditer(r"^Requires-Dist: ([A-Za-z0-9_.-]+)==([^;\s]+)\s*$", text, re.M):
+        pins[match.group(1).lower()] = f"{match.group(1)}=={match.group(2)}"
+    missing = [n for n in names if n not in pins]
+    if missing:
+        raise RuntimeError(f"{wheel.name} pins no exact version of {missing}")
+    return [pins[n] for n in names]
+
+
+def vllm_venv() -> Path:
+    """Python of a venv with vLLM 0.33.0 (no deps) that imports the Qwen4Exp PLE modules: the
+    torch and torchvision the wheel pins, then venv-requirements.txt under those pins, then the
+    wheel itself `--no-deps`. PyPI's torch for x86_64 is a CUDA build: about 5.5 GB and about
+    2 minutes to install, once per machine."""
+    wheel = vllm_wheel()
+    pins = wheel_pins(wheel)
+    python_version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    inputs = (wheel.name, *pins, VENV_REQUIREMENTS.read_text(), python_version)
+    venv = CACHE / f"vllm-venv-{key(*inputs)}"
+    python = venv / "bin" / "python"
+    done = venv / ".complete"
+    with locked(venv.name):
+        if not done.is_file():
+            shutil.rmtree(venv, ignore_errors=True)
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+            pip(python, "install", *pins)
+            constraints = venv / "constraints.txt"
+            constraints.write_text("\n".join(pins) + "\n")
+            pip(python, "install", "-c", str(constraints), "-r", str(VENV_REQUIREMENTS))
+            pip(python, "install", "--no-deps", str(wheel))
+            done.write_text("\n".join(inputs) + "\n")
+    return python
+
+
+def main(argv: list[str]) -> int:
+    if argv != ["vllm-venv"]:
+        print("usage: wheel_cache.py vllm-venv", file=sys.stderr)
+        return 2
+    print(vllm_venv())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
