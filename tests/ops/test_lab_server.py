@@ -114,7 +114,9 @@ def test_stopped_engine_looks_wedged_and_recovers(lab_server) -> None:
         took = time.monotonic() - started
         assert code == 504, reply
         assert "did not answer" in reply["error"]
-        assert ENGINE_TIMEOUT_S <= took < ENGINE_TIMEOUT_S + 2
+        # waited its timeout, then gave up rather than hanging with the stopped engine (a
+        # ratio: +2 s was tight on a loaded machine)
+        assert ENGINE_TIMEOUT_S <= took < 10 * ENGINE_TIMEOUT_S
         assert health(port) == 200
     finally:
         os.kill(engine, signal.SIGCONT)

@@ -1,9 +1,14 @@
-"""The torch paths on a CUDA device give the same results as on the CPU (skipped without one)."""
+"""The torch paths on a CUDA device give the same results as on the CPU (skipped without one).
+
+torch itself is in the tools venv: without it this module is skipped at import, which
+tests/skip_guard.py fails under CI=true.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from skip_guard import NO_CUDA
 
 from sparkple.builder.synth import make_config
 from sparkple.geometry import PLEGeometry
@@ -13,7 +18,7 @@ from sparkple.runtime.nvfp4 import dequantize_rows, dequantize_rows_torch
 torch = pytest.importorskip("torch")
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA),
 ]
 
 

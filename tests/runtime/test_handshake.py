@@ -117,7 +117,9 @@ def test_dead_producer_thread_is_detected(flag):
     t0 = time.perf_counter()
     with pytest.raises(ProducerDied, match="is gone"):
         waiter.wait(2, timeout_s=30)
-    assert time.perf_counter() - t0 < 1.0
+    # found by a liveness check (every 50 ms), not at the timeout: far sooner than 30 s even
+    # on a loaded machine, where a bound of 1 s was a flake
+    assert time.perf_counter() - t0 < 0.1 * 30
 
 
 def test_closed_producer_is_reported(flag):
@@ -175,7 +177,8 @@ def test_cross_process_steps_and_killed_producer(flag, tmp_path):
             waiter.wait(steps + 1, timeout_s=60)
         detected = time.perf_counter() - killed_at[0]
         killer.join()
-        assert detected < 1.0, f"took {detected:.3f} s to notice the dead producer"
+        # a liveness check (every 50 ms) noticed, long before the 60 s timeout would have
+        assert 0 <= detected < 0.05 * 60, f"took {detected:.3f} s to notice the dead producer"
     finally:
         proc.kill()
         proc.wait()

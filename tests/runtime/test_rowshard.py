@@ -22,6 +22,8 @@ from sparkple.runtime.stats import PLEStats
 from sparkple.runtime.table import open_table
 from sparkple.runtime.worker import GatherWorker
 
+from .advice_log import AdviceLog
+
 
 @pytest.fixture
 def table(built_table):
@@ -75,24 +77,27 @@ def test_a_rank_reads_no_page_of_the_other_ranks_rows(table):
     assert outside == 0 and inside > 0
 
 
-def test_a_ranks_prefetch_and_worker_advise_only_its_own_pages(table, built_table):
+def test_a_ranks_prefetch_and_worker_advise_only_its_own_pages(table, built_table, monkeypatch):
     owned = halves(table)[0]
     ids = step_ids(table, 400, seed=3)
     pf = Prefetcher(table, owned=owned)
+    log = AdviceLog(pf, monkeypatch)
     stats = pf.prefetch(ids)
     assert 0 < stats.rows < ids.size  # only the owned ids
+    # exactly the pages of the owned ids were advised (what WILLNEED reads is the kernel's)
+    assert log.advised() == plan_page_numbers(owned.select(ids), table.row_width).tolist()
     with GatherWorker(table, built_table.geometry, 512, owned=owned) as worker:
         worker.submit_row_ids(1, step_ids(table, 400, seed=4))
         rows = worker.wait(1)
         assert (rows[~owned.mask(step_ids(table, 400, seed=4))] == 0).all()
         worker.release(1)
-    time.sleep(0.2)  # WILLNEED starts reads and returns
+    # the gather read the rank's pages itself; nothing read in may lie outside its range
     outside, inside = resident_outside(table, owned)
     assert outside == 0 and inside > 0
     pf.close()
 
 
-def test_the_lookahead_advises_only_the_ranks_pages(table, built_table):
+def test_the_lookahead_advises_only_the_ranks_pages(table, built_table, monkeypatch):
     g = built_table.geometry
     tokens = np.random.default_rng(5).integers(0, g.vocab_size, 400)
     context = np.full((1, g.ngram_size - 1), g.eos_token_id)
@@ -100,6 +105,7 @@ def test_the_lookahead_advises_only_the_ranks_pages(table, built_table):
     owned = halves(table)[1]
     stats = PLEStats()
     look = Lookahead(table, 64 << 20, granule_tokens=16, stats=stats, owned=owned)
+    log = AdviceLog(look._prefetcher, monkeypatch)
     try:
         look.add("a", lambda: ids)
         assert look.idle()
@@ -109,11 +115,16 @@ def test_the_lookahead_advises_only_the_ranks_pages(table, built_table):
             for g in range(0, 400, 16)
         )
         assert 0 < stats.snapshot()["counters"]["lookahead_pages_advised"] == want
+        # and the advice itself: all of it inside the rank's pages, as many as counted
+        first, last = pages_of(owned, table.row_width)
+        advised = log.advised()
+        assert len(advised) == want and first <= advised[0] and advised[-1] < last
+        # WILLNEED reads in the background and may be dropped: give it time to land (no
+        # deadline to miss), then no page outside the rank's range may have come in
         deadline = time.monotonic() + 5
         while resident_outside(table, owned)[1] == 0 and time.monotonic() < deadline:
             time.sleep(0.02)
-        outside, inside = resident_outside(table, owned)
-        assert outside == 0 and inside > 0
+        assert resident_outside(table, owned)[0] == 0
     finally:
         look.close()
 

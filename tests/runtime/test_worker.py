@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from skip_guard import skip_without_cuda
 
 from sparkple.errors import HandshakeError, ProducerDied, TableError
 from sparkple.runtime.ngram import row_ids
@@ -191,14 +192,15 @@ class _Crash(Prefetcher):
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_a_dead_worker_thread_is_reported_within_a_second(table, built_table):
+def test_a_dead_worker_thread_is_reported_long_before_the_timeout(table, built_table):
     worker = GatherWorker(table, built_table.geometry, max_tokens=4, prefetch=_Crash(table))
     try:
         worker.submit_row_ids(1, np.zeros((1, H), dtype=np.int64))
         t0 = time.perf_counter()
         with pytest.raises(ProducerDied, match="is gone"):
             worker.wait(1, timeout_s=60)
-        assert time.perf_counter() - t0 < 1.0
+        # a liveness check noticed, not the timeout (an absolute 1 s bound flaked under load)
+        assert time.perf_counter() - t0 < 0.05 * 60
     finally:
         worker.close()
 
@@ -284,9 +286,7 @@ def test_a_gather_prepared_before_its_ids_exist(table, built_table):
 
 @pytest.mark.gpu
 def test_pinned_staging_and_cuda_decode(table, built_table):
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+    skip_without_cuda()
     ids = np.random.default_rng(4).integers(0, table.total_rows, (64, H))
     with GatherWorker(table, built_table.geometry, max_tokens=64, pin_memory=True) as worker:
         worker.submit_row_ids(1, ids)

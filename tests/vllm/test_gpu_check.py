@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from skip_guard import skip_without_cuda
 
 from sparkple import patch
 from sparkple.builder.build import build_table
@@ -111,9 +112,7 @@ def test_graph_check_smoke_mode_builds_and_checks_everything_up_to_cuda(
 @pytest.mark.gpu
 def test_graph_check_on_cuda(request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """The same check with FULL CUDA graphs against stock vLLM's pinned-host lookup."""
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
+    skip_without_cuda()  # first: on a CPU machine that is the one reason it skips
     vllm_venv = request.getfixturevalue("vllm_venv")
     vllm_originals = request.getfixturevalue("vllm_originals")
     result, _ = run_graph_check(vllm_venv, vllm_originals, tmp_path, "cuda", vocab=60_000)

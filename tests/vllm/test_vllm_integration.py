@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from skip_guard import skip_without_cuda
 
 from sparkple import patch
 from sparkple.builder.build import build_table
@@ -271,15 +272,17 @@ def test_cuda_path_equals_vllms_triton_kernel(
     request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     """Pinned staging, the device copy and the NVFP4 decode on the GPU vs vLLM's own kernel."""
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
+    skip_without_cuda()  # first: on a CPU machine that is the one reason it skips
     vllm_venv = request.getfixturevalue("vllm_venv")
     vllm_originals = request.getfixturevalue("vllm_originals")
+    # a CUDA device is here, so a vLLM Python without CUDA torch or triton is a broken setup
     probe = [str(vllm_venv), "-c", "import torch, triton; print(torch.cuda.is_available())"]
-    seen = subprocess.run(probe, capture_output=True, text=True).stdout.strip()
-    if seen != "True":
-        pytest.skip("the vLLM test venv has no CUDA torch with triton")
+    seen = subprocess.run(probe, capture_output=True, text=True)
+    assert seen.stdout.strip() == "True", (
+        f"{vllm_venv} has no CUDA torch with triton on this CUDA machine ({seen.stdout.strip()}"
+        f"{seen.stderr.strip()[-400:]}): run it with a vLLM install that has them "
+        "(make gpu-check sets SPARKPLE_VLLM_PYTHON)"
+    )
     results = run_equivalence(vllm_venv, vllm_originals, tmp_path, "cuda")
     for result in (results["nvfp4"], results["fp8"]):
         assert result["device"] == "cuda"
