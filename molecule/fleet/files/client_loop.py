@@ -70,6 +70,10 @@ class Load:
             with self.lock:
                 self.in_flight -= 1
                 self.done.append(record)
+                if len(self.done) == self.args.clients:
+                    # as many streams done as clients: the load is steady, the rollout may start
+                    with open(self.args.ready_file, "w", encoding="utf-8") as f:
+                        f.write(f"{time.time()}\n")
 
     def one(self, body: bytes) -> dict[str, Any]:
         """One streaming request: when it started and ended, where it went, how it ended."""
@@ -189,6 +193,7 @@ def main() -> int:
     p.add_argument("--max-requests", type=int, required=True)
     p.add_argument("--max-seconds", type=float, required=True)
     p.add_argument("--stop-file", required=True)
+    p.add_argument("--ready-file", required=True, help="written once the load is steady")
     p.add_argument("--gateway-show", required=True, help="command printing the servers' JSON")
     p.add_argument("--poll-s", type=float, default=0.2)
     p.add_argument("--out", required=True)
