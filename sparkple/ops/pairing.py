@@ -25,7 +25,8 @@ So each supervisor serves its side on the pair link (sparkple.ops.pairlink) and 
 History events (supervisor.json, the head's unless said): relaunch (with the generation),
 worker-joined, head-started, ready, stable, pair-broken (cause: worker-down,
 worker-unreachable, head-down, both-down; explained_by: the incident markers of either node
-since the pair came up), pair-stopped (after_s: from the break until both units were down),
+since the pair came up or, when it broke before, since that break: a marker explains the first
+break after it), pair-stopped (after_s: from the break until both units were down),
 launch-failed, ready-timeout, adopted, half-pair-stopped; the worker's: worker-started,
 worker-stopped (reason), adopted.
 """
@@ -332,13 +333,18 @@ class PairLeader(PairMember):
             stop_exit = stop.returncode
             self.unit_active = self.running()
         since = float(pair["up_since"] or now)
+        # A marker explains the first break after it. The watchdog stamps its marker with the
+        # sample that tripped it, which can precede the relaunch that the stop then ends: so
+        # the markers since the previous break count, not only those since the pair came up.
+        breaks = [h["time"] for h in st["history"] if h["event"] == "pair-broken"]
+        explain_from = min(since, breaks[-1]) if breaks else since
         explained = [
             f"{m['kind']} on {self.args.pair_host}"
-            for m in read_markers(self.state_dir, INCIDENT_KINDS - {PAIR_BROKEN}, since)
+            for m in read_markers(self.state_dir, INCIDENT_KINDS - {PAIR_BROKEN}, explain_from)
         ] + [
             f"{m.get('kind')} on {(self.peer or {}).get('host')}"
             for m in (self.peer or {}).get("incidents") or []
-            if isinstance(m, dict) and float(m.get("time") or 0) >= since
+            if isinstance(m, dict) and float(m.get("time") or 0) >= explain_from
         ]
         worker_host = pair["peer"].get("host")
         reason = (
