@@ -153,7 +153,16 @@ class Load:
                 and r["start"] < change["last_before"]
                 and r["end"] > change["seen_at"]
             ]
-            out.setdefault(change["server"], []).append({**change, "in_flight": len(across)})
+            # when the server's last stream before the change ended: tells a drain that found
+            # nothing in flight because traffic had already stopped from one that was unlucky
+            ended = [
+                r["end"]
+                for r in self.done
+                if r["server"] == change["server"] and r["end"] <= change["seen_at"]
+            ]
+            out.setdefault(change["server"], []).append(
+                {**change, "in_flight": len(across), "last_end_before": max(ended, default=None)}
+            )
         return out
 
     def result(self) -> dict[str, Any]:
