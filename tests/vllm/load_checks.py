@@ -24,6 +24,7 @@ import struct
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -194,7 +195,14 @@ def row_shard_bytes_read(snapshot: Path, table: Path, strategy: str) -> dict:
     finally:
         os.environ.pop("SPARKPLE_PLE_TABLE_DIR")
     for thread in set(threading.enumerate()) - threads:
-        thread.join(60)  # the prefetch strategy reads the files in a background thread
+        # the prefetch strategy reads the files in a background thread; enumerate() also lists
+        # a thread whose start() has not finished (on a loaded machine), which join() refuses
+        while True:
+            try:
+                thread.join(60)
+                break
+            except RuntimeError:
+                time.sleep(0.01)
     figures = dict.fromkeys(("row_shard", "cached", "beyond_readahead", "cached_beyond"), 0)
     reach = 2 * max(read_ahead_bytes(path) for path in files)
     for path, fd, mapped in maps:
