@@ -16,3 +16,21 @@ image_inputs() {
 
 # The classic builder: the lab builds offline from local base images only.
 export DOCKER_BUILDKIT=0
+
+# A cache entry, built once per machine: cache_entry DIR BUILD, where BUILD DIR fills the empty
+# directory DIR. It runs under DIR.lock (the lock tests/wheel_cache.py takes for its entries)
+# unless DIR/.complete is there; a half-built DIR (no .complete, say after a kill) is removed
+# and built again, and .complete is written only once BUILD has succeeded (call it as a plain
+# command: bash ignores errexit inside a function called from an `if` or `||`).
+cache_entry() {
+    local dir=$1 build=$2
+    (
+        set -e
+        flock 9
+        [[ -f $dir/.complete ]] && exit 0
+        rm -rf "$dir"
+        mkdir -p "$dir"
+        "$build" "$dir"
+        date -u +%FT%TZ >"$dir/.complete"
+    ) 9>"$dir.lock"
+}

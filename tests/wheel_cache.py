@@ -61,6 +61,19 @@ def locked(name: str) -> Iterator[None]:
         yield
 
 
+def build_once(entry: Path, build: Callable[[Path], None], record: str) -> Path:
+    """The cache entry `entry`, built by `build(entry)` under its lock unless it is complete:
+    a half-built one (no `.complete`, say after a kill) is removed and built again, and
+    `.complete` (holding `record`, what it was built from) is written only at the end."""
+    done = entry / ".complete"
+    with locked(entry.name):
+        if not done.is_file():
+            shutil.rmtree(entry, ignore_errors=True)
+            build(entry)
+            done.write_text(record)
+    return entry
+
+
 def pip(python: Path | str, *args: str) -> None:
     cmd = [str(python), "-m", "pip", "--disable-pip-version-check", "-q", *args]
     result = subprocess.run(cmd, capture_output=True, text=True)
@@ -82,20 +95,17 @@ def vllm_wheel() -> Path:
 
 
 def extract_once(wheel: Path, name: str, wanted: Callable[[str], bool], recipe: str) -> Path:
-    """The wheel's members that `wanted` accepts, extracted into the entry `name-KEY` (KEY from
-    the wheel's name and `recipe`, which says what was selected) under its lock, and marked
-    complete at the end, so an interrupted extraction is redone rather than trusted."""
+    """The wheel's members that `wanted` accepts, in the entry `name-KEY` (KEY from the wheel's
+    name and `recipe`, which says what was selected)."""
+
+    def extract(dest: Path) -> None:
+        with zipfile.ZipFile(wheel) as archive:
+            for member in archive.namelist():
+                if wanted(member):
+                    archive.extract(member, dest)
+
     dest = CACHE / f"{name}-{key(wheel.name, recipe)}"
-    done = dest / ".complete"
-    with locked(dest.name):
-        if not done.is_file():
-            shutil.rmtree(dest, ignore_errors=True)
-            with zipfile.ZipFile(wheel) as archive:
-                for member in archive.namelist():
-                    if wanted(member):
-                        archive.extract(member, dest)
-            done.write_text(f"{wheel.name}\n{recipe}\n")
-    return dest
+    return build_once(dest, extract, f"{wheel.name}\n{recipe}\n")
 
 
 def vllm_originals() -> Path:
@@ -131,20 +141,18 @@ def vllm_venv() -> Path:
     pins = wheel_pins(wheel)
     python_version = f"{sys.version_info.major}.{sys.version_info.minor}"
     inputs = (wheel.name, *pins, VENV_REQUIREMENTS.read_text(), python_version)
+
+    def install(venv: Path) -> None:
+        python = venv / "bin" / "python"
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pip(python, "install", *pins)
+        constraints = venv / "constraints.txt"
+        constraints.write_text("\n".join(pins) + "\n")
+        pip(python, "install", "-c", str(constraints), "-r", str(VENV_REQUIREMENTS))
+        pip(python, "install", "--no-deps", str(wheel))
+
     venv = CACHE / f"vllm-venv-{key(*inputs)}"
-    python = venv / "bin" / "python"
-    done = venv / ".complete"
-    with locked(venv.name):
-        if not done.is_file():
-            shutil.rmtree(venv, ignore_errors=True)
-            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-            pip(python, "install", *pins)
-            constraints = venv / "constraints.txt"
-            constraints.write_text("\n".join(pins) + "\n")
-            pip(python, "install", "-c", str(constraints), "-r", str(VENV_REQUIREMENTS))
-            pip(python, "install", "--no-deps", str(wheel))
-            done.write_text("\n".join(inputs) + "\n")
-    return python
+    return build_once(venv, install, "\n".join(inputs) + "\n") / "bin" / "python"
 
 
 def main(argv: list[str]) -> int:

@@ -2,8 +2,9 @@
 
 --clients threads each send one streaming completion after the other (`"stream": true`, as a
 chat client does; the lab server takes SPARKPLE_LAB_TOKEN_DELAY_S per token, so each lasts
-seconds). Meanwhile one thread reads the gateway's server states (`--gateway-show`, e.g.
-`sparkple-gateway show`) every --poll-s, to know when each server was drained.
+seconds; the clients ask for four different lengths, so that a server's streams end apart).
+Meanwhile one thread reads the gateway's server states (`--gateway-show`, e.g. `sparkple-gateway
+show`) every --poll-s, to know when each server was drained.
 
 Stops at --max-requests, at --max-seconds, or when --stop-file appears, whichever comes first,
 and records which. Writes to --out as JSON: requests sent, ok, failed (with the first
@@ -52,21 +53,15 @@ class Load:
                     self.stop_reason = "max-seconds"
             return bool(self.stop_reason)
 
-    def client(self) -> None:
-        body = json.dumps(
-            {
-                "model": self.args.model,
-                "prompt": "hello fleet",
-                "max_tokens": self.args.max_tokens,
-                "stream": True,
-            }
-        ).encode()
+    def client(self, tokens: int) -> None:
+        request = {"model": self.args.model, "prompt": "hello fleet", "max_tokens": tokens}
+        body = json.dumps({**request, "stream": True}).encode()
         while not self.should_stop():
             with self.lock:
                 self.sent += 1
                 self.in_flight += 1
                 self.most_in_flight = max(self.most_in_flight, self.in_flight)
-            record = self.one(body)
+            record = self.one(body, tokens)
             with self.lock:
                 self.in_flight -= 1
                 self.done.append(record)
@@ -75,7 +70,7 @@ class Load:
                     with open(self.args.ready_file, "w", encoding="utf-8") as f:
                         f.write(f"{time.time()}\n")
 
-    def one(self, body: bytes) -> dict[str, Any]:
+    def one(self, body: bytes, tokens: int) -> dict[str, Any]:
         """One streaming request: when it started and ended, where it went, how it ended."""
         record: dict[str, Any] = {"start": time.time(), "server": "?", "chunks": 0}
         req = urllib.request.Request(
@@ -98,10 +93,10 @@ class Load:
                         raise ValueError(f"error chunk: {chunk['error']}")
                     record["chunks"] += 1
                     finish = chunk["choices"][0]["finish_reason"] or finish
-            if record["chunks"] != self.args.max_tokens or finish != "length" or not done_seen:
+            if record["chunks"] != tokens or finish != "length" or not done_seen:
                 record["truncated"] = True
                 raise ValueError(
-                    f"truncated stream: {record['chunks']} of {self.args.max_tokens} chunks, "
+                    f"truncated stream: {record['chunks']} of {tokens} chunks, "
                     f"finish_reason {finish}, [DONE] {'seen' if done_seen else 'missing'}"
                 )
             record["ok"] = True
@@ -160,8 +155,22 @@ class Load:
                 for r in self.done
                 if r["server"] == change["server"] and r["end"] <= change["seen_at"]
             ]
+            # the server's requests (start, end, ok) around the change, so that a drain that
+            # caught none can be read from the result alone
+            around = [
+                [round(r["start"], 2), round(r["end"], 2), r["ok"]]
+                for r in self.done
+                if r["server"] == change["server"]
+                and r["end"] > change["last_before"] - 10
+                and r["start"] < change["seen_at"] + 10
+            ]
             out.setdefault(change["server"], []).append(
-                {**change, "in_flight": len(across), "last_end_before": max(ended, default=None)}
+                {
+                    **change,
+                    "in_flight": len(across),
+                    "last_end_before": max(ended, default=None),
+                    "around": sorted(around),
+                }
             )
         return out
 
@@ -198,7 +207,7 @@ def main() -> int:
     p.add_argument("--url", required=True)
     p.add_argument("--model", required=True, help="the served model name")
     p.add_argument("--clients", type=int, default=4, help="concurrent streaming clients")
-    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--max-tokens", type=int, default=24, help="the shortest client's tokens")
     p.add_argument("--max-requests", type=int, required=True)
     p.add_argument("--max-seconds", type=float, required=True)
     p.add_argument("--stop-file", required=True)
@@ -210,7 +219,13 @@ def main() -> int:
     load = Load(args)
     watcher = threading.Thread(target=load.watch_gateway, daemon=True)
     watcher.start()
-    clients = [threading.Thread(target=load.client) for _ in range(args.clients)]
+    # Client i asks for max-tokens + 8 * (i mod 4) tokens. With streams of one length, leastconn
+    # kept each server's streams in step (each ends as the next starts on the same server), and
+    # a drain that fell between their ends found none in flight.
+    clients = [
+        threading.Thread(target=load.client, args=(args.max_tokens + 8 * (i % 4),))
+        for i in range(args.clients)
+    ]
     for t in clients:
         t.start()
     for t in clients:
