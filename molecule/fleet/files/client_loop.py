@@ -10,8 +10,8 @@ Stops at --max-requests, at --max-seconds, or when --stop-file appears, whicheve
 and records which. Writes to --out as JSON: requests sent, ok, failed (with the first
 failures), truncated streams (no final chunk with a finish_reason, or no `data: [DONE]`), the
 most requests seen in flight at once, requests per server, and per drained server the
-requests in flight across its drain: started while the gateway still showed it UP, ended after
-it showed it draining.
+requests in flight across its drain: served by it, started before the gateway showed it
+draining and ended after.
 """
 
 from __future__ import annotations
@@ -134,8 +134,11 @@ class Load:
             time.sleep(self.args.poll_s)
 
     def drains(self) -> dict[str, list[dict[str, Any]]]:
-        """Per server, each change from UP and the requests in flight across it: started
-        while the gateway still showed UP, ended after it showed the change."""
+        """Per server, each change from UP and the requests in flight across it: served by it,
+        started before the gateway showed the change and ended after. HAProxy sends a draining
+        server no new connection (its management guide, `set server ... state drain`; nothing
+        here is sticky), so a request it routed there was routed before the drain: one that
+        started between the last poll that showed UP and the drain counts too."""
         out: dict[str, list[dict[str, Any]]] = {}
         for change in self.changes:
             if change["from"] != "UP":
@@ -145,8 +148,7 @@ class Load:
                 for r in self.done
                 if r["server"] == change["server"]
                 and r["ok"]
-                and r["start"] < change["last_before"]
-                and r["end"] > change["seen_at"]
+                and r["start"] < change["seen_at"] < r["end"]
             ]
             # when the server's last stream before the change ended: tells a drain that found
             # nothing in flight because traffic had already stopped from one that was unlucky
