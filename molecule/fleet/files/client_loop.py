@@ -143,28 +143,17 @@ class Load:
         for change in self.changes:
             if change["from"] != "UP":
                 continue
-            across = [
-                r
-                for r in self.done
-                if r["server"] == change["server"]
-                and r["ok"]
-                and r["start"] < change["seen_at"] < r["end"]
-            ]
+            served = [r for r in self.done if r["server"] == change["server"]]
+            across = [r for r in served if r["ok"] and r["start"] < change["seen_at"] < r["end"]]
             # when the server's last stream before the change ended: tells a drain that found
             # nothing in flight because traffic had already stopped from one that was unlucky
-            ended = [
-                r["end"]
-                for r in self.done
-                if r["server"] == change["server"] and r["end"] <= change["seen_at"]
-            ]
+            ended = [r["end"] for r in served if r["end"] <= change["seen_at"]]
             # the server's requests (start, end, ok) around the change, so that a drain that
             # caught none can be read from the result alone
             around = [
                 [round(r["start"], 2), round(r["end"], 2), r["ok"]]
-                for r in self.done
-                if r["server"] == change["server"]
-                and r["end"] > change["last_before"] - 10
-                and r["start"] < change["seen_at"] + 10
+                for r in served
+                if r["end"] > change["last_before"] - 10 and r["start"] < change["seen_at"] + 10
             ]
             out.setdefault(change["server"], []).append(
                 {
