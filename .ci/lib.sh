@@ -17,13 +17,15 @@ image_inputs() {
 # The classic builder: the lab builds offline from local base images only.
 export DOCKER_BUILDKIT=0
 
-# A cache entry, built once per machine: cache_entry DIR BUILD, where BUILD DIR fills the empty
-# directory DIR. It runs under DIR.lock (the lock tests/wheel_cache.py takes for its entries)
-# unless DIR/.complete is there; a half-built DIR (no .complete, say after a kill) is removed
-# and built again, and .complete is written only once BUILD has succeeded (call it as a plain
-# command: bash ignores errexit inside a function called from an `if` or `||`).
+# A cache entry, built once per machine: cache_entry DIR BUILD RECORD..., where BUILD DIR fills
+# the empty directory DIR. It runs under DIR.lock (the lock tests/wheel_cache.py takes for its
+# entries) unless DIR/.complete is there; a half-built DIR (no .complete, say after a kill) is
+# removed and built again, and .complete, holding the RECORD lines (what DIR was built from),
+# is written only once BUILD has succeeded (call it as a plain command: bash ignores errexit
+# inside a function called from an `if` or `||`).
 cache_entry() {
     local dir=$1 build=$2
+    shift 2
     (
         set -e
         flock 9
@@ -31,6 +33,6 @@ cache_entry() {
         rm -rf "$dir"
         mkdir -p "$dir"
         "$build" "$dir"
-        date -u +%FT%TZ >"$dir/.complete"
+        printf '%s\n' "$@" >"$dir/.complete"
     ) 9>"$dir.lock"
 }
