@@ -36,19 +36,29 @@ NAME = "sparkple-gpu-check"
 # What the checks read of the wheel: the Python files and the metadata (not the compiled ops,
 # the kernels' configs, the Rust front end).
 WHEEL_PARTS = (".py", "py.typed", ".dist-info/METADATA", ".dist-info/entry_points.txt")
+# Python stand-ins for the compiled vLLM modules the CUDA platform imports unguarded, laid
+# into the sources' vllm package (each file says why it is there).
+STANDINS = REPO / "gpu" / "standins"
 # Found next to torch on any machine that runs the checks (triton ships with CUDA torch).
 WITH_TORCH = {"torch", "triton", "sparkple", "vllm"}
 
 
 def extract_sources(wheel: Path) -> Path:
-    """The wheel's vllm package without compiled parts, and its metadata (a cache entry)."""
+    """The wheel's vllm package without compiled parts, with the stand-ins for the compiled
+    modules the CUDA platform imports, and its metadata (a cache entry)."""
+    standins = sorted(STANDINS.glob("*.py"))
 
     def wanted(member: str) -> bool:
         top = member.split("/", 1)[0]
         package = top == "vllm" or top == f"vllm-{VLLM_VERSION}.dist-info"
         return package and member.endswith(WHEEL_PARTS)
 
-    return extract_once(wheel, "vllm-python", wanted, str(WHEEL_PARTS))
+    def add_standins(dest: Path) -> None:
+        for standin in standins:
+            shutil.copy2(standin, dest / "vllm" / standin.name)
+
+    recipe = str(WHEEL_PARTS) + "".join(f"\n{p.name}\n{p.read_text()}" for p in standins)
+    return extract_once(wheel, "vllm-python", wanted, recipe, add_standins)
 
 
 def run(cmd: list[str], **kwargs) -> str:
@@ -104,9 +114,11 @@ def build(python: str, out: Path) -> Path:
              "--originals", str(sources / "vllm"), "--out", str(rendered)],
             cwd=REPO,
         )  # fmt: skip
-        # what the checks import, found by importing it with PY (CPU platform)
+        # what the checks import, found by importing it with PY (CPU platform) and the
+        # archive's vLLM sources, as the bundle runs (PY's own vLLM may need a driver)
         dists_path = Path(tmp) / "dists.json"
-        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": str(REPO)}
+        path = f"{REPO}:{bundle / 'vllm-src'}"
+        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": path}
         smoke = [python, str(REPO / "gpu" / "import_smoke.py"), "cpu", str(rendered)]
         run([*smoke, str(dists_path)], env=env, cwd=tmp)
         copy, needs = split_dists(json.loads(dists_path.read_text()))

@@ -2,8 +2,10 @@
 
 Usage: python import_smoke.py {cuda|cpu} RENDERED_DIR [DISTS_JSON]
 
-vLLM's current platform must be CUDA (`cpu`: its CPU platform). The rendered files are laid
-over the package (as the serving container's bind mounts lay them) and every module the
+vLLM's current platform must be CUDA (`cpu`: its CPU platform), and vLLM's CUDA platform
+module imports in both modes (from the bundle's sources with the stand-ins in gpu/standins/
+for the compiled modules it imports; importing it touches no device). The rendered files are
+laid over the package (as the serving container's bind mounts lay them) and every module the
 checks import is imported: the patched n-gram embedding, model state, loader filter and the
 added packed-table backend, vLLM's model loader's weight iterators, the V2 runner's model
 state base, and transformers' Qwen4Exp config; none of them needs vLLM's compiled ops.
@@ -23,6 +25,7 @@ import sys
 from pathlib import Path
 
 PATCHED_PACKAGES = ("vllm.models.qwen4_exp.nvidia", "vllm.models.qwen4_exp.common")
+CUDA_PLATFORM = "vllm.platforms.cuda"
 LOADER_FILTER = "vllm.model_executor.model_loader.ep_weight_filter"
 MODULES = (
     "vllm.models.qwen4_exp.nvidia.ngram_embedding",
@@ -109,6 +112,7 @@ def main() -> int:
             file=sys.stderr,
         )
         return 1
+    importlib.import_module(CUDA_PLATFORM)
     lay_over(rendered)
     for name in MODULES:
         module = importlib.import_module(name)
@@ -119,7 +123,8 @@ def main() -> int:
 
     vllm_modules = sorted(name for name in sys.modules if name.startswith("vllm"))
     print(
-        f"import smoke: vLLM platform {type(current_platform).__name__}; patched modules "
+        f"import smoke: vLLM platform {type(current_platform).__name__}; CUDA platform module "
+        f"imports; patched modules "
         f"import from {rendered}; {len(vllm_modules)} vLLM modules loaded"
     )
     if len(sys.argv) > 3:

@@ -52,9 +52,12 @@ def check_needs(needs: dict[str, str]) -> None:
         if not found:
             missing.append(requirement)
     if missing:
+        # no `pip install` advice: the machine the bundle is for is offline
         raise Refusal(
-            "this Python lacks compiled packages the checks import: "
-            f"pip install {' '.join(missing)} (or run in the serving image)"
+            f"this Python lacks compiled packages the checks import: {' '.join(missing)}; "
+            "they are built per platform, so the bundle does not carry them: add them to this "
+            "Python (wheels for its platform and Python version), or run the check in the "
+            "serving image"
         )
 
 

@@ -94,15 +94,23 @@ def vllm_wheel() -> Path:
         return wheels[0]
 
 
-def extract_once(wheel: Path, name: str, wanted: Callable[[str], bool], recipe: str) -> Path:
+def extract_once(
+    wheel: Path,
+    name: str,
+    wanted: Callable[[str], bool],
+    recipe: str,
+    add: Callable[[Path], None] | None = None,
+) -> Path:
     """The wheel's members that `wanted` accepts, in the entry `name-KEY` (KEY from the wheel's
-    name and `recipe`, which says what was selected)."""
+    name and `recipe`, which says what was selected and what `add` writes after them)."""
 
     def extract(dest: Path) -> None:
         with zipfile.ZipFile(wheel) as archive:
             for member in archive.namelist():
                 if wanted(member):
                     archive.extract(member, dest)
+        if add is not None:
+            add(dest)
 
     dest = CACHE / f"{name}-{key(wheel.name, recipe)}"
     return build_once(dest, extract, f"{wheel.name}\n{recipe}\n")

@@ -124,6 +124,13 @@ def test_graph_check_on_cuda(request: pytest.FixtureRequest, tmp_path: Path) -> 
     assert_timed_shapes(result, TIMED_SHAPES)
 
 
+def bundle_module():
+    spec = importlib.util.spec_from_file_location("gpu_bundle", REPO / "gpu" / "bundle.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def preamble():
     spec = importlib.util.spec_from_file_location("preamble", REPO / "gpu" / "preamble.py")
     module = importlib.util.module_from_spec(spec)
@@ -195,8 +202,43 @@ def test_preamble_refuses_pythons_outside_the_wheels_range() -> None:
 def test_preamble_names_the_compiled_packages_missing() -> None:
     module = preamble()
     module.check_needs({"json": "json", "sys": "sys"})
-    with pytest.raises(module.Refusal, match="pip install nothere==1.0 nothere2==2"):
+    with pytest.raises(module.Refusal, match="import: nothere==1.0 nothere2==2; they are") as info:
         module.check_needs({"sparkple_nothere": "nothere==1.0", "sparkple_nothere2": "nothere2==2"})
+    assert "pip install" not in str(info.value)  # the bundle's machine is offline
+
+
+def test_the_sources_import_vllms_cuda_platform_and_its_standin_refuses_use(
+    tmp_path: Path, vllm_venv: Path
+) -> None:
+    """vllm/platforms/cuda.py imports the compiled vllm._C_stable_libtorch with no guard: the
+    wheel's Python files alone stop there; with the stand-in they import, and any use of the
+    stand-in raises and is logged (the bundle's smoke run below logs none)."""
+    sources = Path(bundle_module().extract_sources(bundle_module().vllm_wheel()))
+    log = tmp_path / "standin.log"
+    env = {**os.environ, "PYTHONPATH": str(sources), "VLLM_TARGET_DEVICE": "cpu"}
+    env["SPARKPLE_STANDIN_LOG"] = str(log)
+    imports = "import vllm.platforms.cuda, vllm._C_stable_libtorch as c; print(c.STANDIN)"
+    proc = subprocess.run(
+        [str(vllm_venv), "-c", imports], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    assert proc.returncode == 0 and proc.stdout == "True\n", proc.stderr[-3000:]
+    assert not log.exists()  # importing it uses nothing
+    use = "import vllm._C_stable_libtorch as c; c.silu_and_mul"
+    proc = subprocess.run(
+        [str(vllm_venv), "-c", use], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    assert proc.returncode == 1
+    assert "is the GPU check's stand-in for vLLM's compiled ops: 'silu_and_mul'" in proc.stderr
+    assert log.read_text() == "vllm._C_stable_libtorch.silu_and_mul\n"
+    # without the stand-in, the same import stops at the compiled module
+    bare = tmp_path / "bare"
+    shutil.copytree(sources, bare, ignore=shutil.ignore_patterns("_C_stable_libtorch.py"))
+    proc = subprocess.run(
+        [str(vllm_venv), "-c", "import vllm.platforms.cuda"],
+        capture_output=True, text=True, env={**env, "PYTHONPATH": str(bare)}, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "No module named 'vllm._C_stable_libtorch'" in proc.stderr
 
 
 def test_bundle_runs_the_cpu_smoke_mode_offline(vllm_venv: Path, tmp_path: Path) -> None:
@@ -223,11 +265,16 @@ def test_bundle_runs_the_cpu_smoke_mode_offline(vllm_venv: Path, tmp_path: Path)
     assert "pydantic==" in needs["pydantic"]  # pinned to its compiled core: not copied
     assert (root / "bundle" / "site" / "transformers").is_dir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "GPU_CHECK_OUT")}
-    env.update(OFFLINE, PYTHON=str(vllm_venv))
+    log = tmp_path / "standin.log"
+    env.update(OFFLINE, PYTHON=str(vllm_venv), SPARKPLE_STANDIN_LOG=str(log))
     proc = subprocess.run(
         ["bash", "gpu-check.sh", "--cpu-smoke"], capture_output=True, text=True, env=env, cwd=root
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    # vLLM's CUDA platform module imported from the archive, and nothing used its stand-in
+    assert (root / "bundle" / "vllm-src" / "vllm" / "_C_stable_libtorch.py").is_file()
+    assert "import smoke: vLLM platform CpuPlatform; CUDA platform module imports" in proc.stdout
+    assert not log.exists()
     report = json.loads((root / "gpu-check-results" / "gpu-check.json").read_text())
     assert report["ok"] and report["checks"]["graph"]["ok"]
     assert report["preamble"]["vllm"] == "0.33.0"
