@@ -124,8 +124,8 @@ def main() -> int:
     vllm_modules = sorted(name for name in sys.modules if name.startswith("vllm"))
     print(
         f"import smoke: vLLM platform {type(current_platform).__name__}; CUDA platform module "
-        f"imports; patched modules "
-        f"import from {rendered}; {len(vllm_modules)} vLLM modules loaded"
+        f"imports; patched modules import from {rendered}; {len(vllm_modules)} vLLM modules "
+        "loaded"
     )
     if len(sys.argv) > 3:
         Path(sys.argv[3]).write_text(json.dumps(loaded_dists(), indent=2, sort_keys=True))

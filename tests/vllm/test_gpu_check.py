@@ -124,18 +124,16 @@ def test_graph_check_on_cuda(request: pytest.FixtureRequest, tmp_path: Path) -> 
     assert_timed_shapes(result, TIMED_SHAPES)
 
 
-def bundle_module():
-    spec = importlib.util.spec_from_file_location("gpu_bundle", REPO / "gpu" / "bundle.py")
+def gpu_module(name: str):
+    """gpu/NAME.py as a module (gpu/ is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"gpu_{name}", REPO / "gpu" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def preamble():
-    spec = importlib.util.spec_from_file_location("preamble", REPO / "gpu" / "preamble.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return gpu_module("preamble")
 
 
 def without_nvidia_smi(tmp_path: Path) -> dict[str, str]:
@@ -213,7 +211,8 @@ def test_the_sources_import_vllms_cuda_platform_and_its_standin_refuses_use(
     """vllm/platforms/cuda.py imports the compiled vllm._C_stable_libtorch with no guard: the
     wheel's Python files alone stop there; with the stand-in they import, and any use of the
     stand-in raises and is logged (the bundle's smoke run below logs none)."""
-    sources = Path(bundle_module().extract_sources(bundle_module().vllm_wheel()))
+    bundle = gpu_module("bundle")
+    sources = Path(bundle.extract_sources(bundle.vllm_wheel()))
     log = tmp_path / "standin.log"
     env = {**os.environ, "PYTHONPATH": str(sources), "VLLM_TARGET_DEVICE": "cpu"}
     env["SPARKPLE_STANDIN_LOG"] = str(log)
