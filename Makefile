@@ -22,6 +22,7 @@ lab-destroy:
 gpu-check:
 	PYTHON="$(PYTHON)" bash .ci/gpu-check
 
-# the GPU check for a machine without network: one archive, its path the last line printed
+# the GPU check for a machine without network: one archive, its path the last line printed;
+# TARGET names the machine (a file of gpu/targets/, or ARCH-pyX.Y; default h200-offline)
 gpu-bundle:
-	bash .ci/gpu-bundle
+	TARGET="$(TARGET)" bash .ci/gpu-bundle

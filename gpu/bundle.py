@@ -1,16 +1,24 @@
 """vLLM 0.33.0's Python sources from the wheel, and the air-gapped GPU-check archive.
 
 Usage:
-  python gpu/bundle.py sources DEST        vLLM's Python sources from the cached wheel (no
-                                           compiled ops) into DEST/vllm, once
-  python gpu/bundle.py build [--python PY] [--out FILE]
+  python gpu/bundle.py sources             vLLM's Python sources from the cached wheel (no
+                                           compiled ops, the stand-ins for those the CUDA
+                                           path imports), once; prints where
+  python gpu/bundle.py build [--target T] [--python PY] [--out FILE]
                                            the archive; its path is the last line printed
 
 The archive (`sparkple-gpu-check/`, under 60 MiB) holds the project's files, `gpu-check.sh`
 at its root, and under bundle/: vLLM 0.33.0's Python sources, the rendered patch files, the
 pure-Python packages the checks import that torch does not bring (copied from PY, the vLLM
-test venv by default, where the import smoke test finds them), and needs.json: the compiled
-packages they import, which a machine must already have (they are built per platform).
+test venv by default, where the import smoke test finds them on the CPU and the CUDA path),
+wheels/: the target's wheels of the compiled packages the checks import that the target
+lacks (with the pure ones pinned to them), carried.json (what is carried, and what each
+carried package must satisfy, for gpu/carried.py to choose the machine's copy or the
+bundle's), and needs.json: every compiled package the checks import, carried or the
+machine's own.
+
+A target is a file in gpu/targets/ (by name: the machine's architecture, Python and glibc,
+and what its image has) or ARCH-pyX.Y (a machine with only torch and triton).
 """
 
 from __future__ import annotations
@@ -24,11 +32,20 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from wheel_cache import VLLM_VERSION, extract_once, vllm_venv, vllm_wheel  # noqa: E402
+from wheel_cache import (  # noqa: E402
+    VLLM_VERSION,
+    WHEEL_DIR,
+    extract_once,
+    locked,
+    vllm_venv,
+    vllm_wheel,
+)
 
 MIB = 1024**2
 MAX_BYTES = 60 * MIB
@@ -41,12 +58,67 @@ WHEEL_PARTS = (".py", "py.typed", ".dist-info/METADATA", ".dist-info/entry_point
 STANDINS = REPO / "gpu" / "standins"
 # Found next to torch on any machine that runs the checks (triton ships with CUDA torch).
 WITH_TORCH = {"torch", "triton", "sparkple", "vllm"}
+TARGETS = REPO / "gpu" / "targets"
+DEFAULT_TARGET = "h200-offline"
+# Compiled packages never carried: each must be the machine's own (the preamble says so).
+NOT_CARRIED = {
+    "torchvision": "it is built for one torch release and must match the machine's",
+    "opencv-python-headless": "its wheel is about 50 MB, too big to carry",
+    "opencv-python": "its wheel is about 60 MB, too big to carry",
+}
+
+
+def normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@dataclass(frozen=True)
+class Target:
+    """The machine a bundle is for: what pip downloads wheels for, and what it already has."""
+
+    name: str
+    arch: str
+    python: str
+    glibc: str
+    has: frozenset[str]  # normalized distribution names
+
+    @classmethod
+    def named(cls, spec: str) -> Target:
+        """gpu/targets/SPEC.toml, or ARCH-pyX.Y (only torch and triton on the machine, a glibc
+        of at least 2.35: Ubuntu 22.04; DGX OS, Ubuntu 24.04, has 2.39)."""
+        path = TARGETS / f"{spec}.toml"
+        if path.is_file():
+            data = tomllib.loads(path.read_text())
+            has = {normalized(re.split(r"[=<>!~ ]", r, maxsplit=1)[0]) for r in data["has"]}
+            return cls(spec, data["arch"], data["python"], data["glibc"], frozenset(has))
+        match = re.fullmatch(r"(x86_64|aarch64)-py(3\.\d+)", spec)
+        if match is None:
+            known = ", ".join(sorted(p.stem for p in TARGETS.glob("*.toml")))
+            raise SystemExit(
+                f"gpu-bundle: unknown target {spec!r}: name one of gpu/targets/ ({known}) "
+                "or ARCH-pyX.Y with ARCH x86_64 or aarch64, e.g. aarch64-py3.12"
+            )
+        arch, python = match.groups()
+        return cls(spec, arch, python, "2.35", frozenset({"torch", "triton"}))
+
+    def pip_args(self) -> list[str]:
+        """pip download's selection of this target's wheels: its CPython, and every manylinux
+        tag its glibc runs (pip matches each tag exactly)."""
+        major, minor = (int(x) for x in self.glibc.split("."))
+        tags = [f"manylinux_{major}_{n}_{self.arch}" for n in range(17, minor + 1)]
+        tags += [f"manylinux2014_{self.arch}"]
+        platforms = [arg for tag in tags for arg in ("--platform", tag)]
+        return ["--only-binary=:all:", "--implementation", "cp",
+                "--python-version", self.python, *platforms]  # fmt: skip
+
+    def describe(self) -> dict:
+        return {"name": self.name, "arch": self.arch, "python": self.python, "glibc": self.glibc}
 
 
 def extract_sources(wheel: Path) -> Path:
     """The wheel's vllm package without compiled parts, with the stand-ins for the compiled
     modules the CUDA platform imports, and its metadata (a cache entry)."""
-    standins = sorted(STANDINS.glob("*.py"))
+    standins = sorted(STANDINS.rglob("*.py"))
 
     def wanted(member: str) -> bool:
         top = member.split("/", 1)[0]
@@ -55,9 +127,11 @@ def extract_sources(wheel: Path) -> Path:
 
     def add_standins(dest: Path) -> None:
         for standin in standins:
-            shutil.copy2(standin, dest / "vllm" / standin.name)
+            shutil.copy2(standin, dest / "vllm" / standin.relative_to(STANDINS))
 
-    recipe = str(WHEEL_PARTS) + "".join(f"\n{p.name}\n{p.read_text()}" for p in standins)
+    recipe = str(WHEEL_PARTS) + "".join(
+        f"\n{p.relative_to(STANDINS)}\n{p.read_text()}" for p in standins
+    )
     return extract_once(wheel, "vllm-python", wanted, recipe, add_standins)
 
 
@@ -74,22 +148,79 @@ def site_packages(python: str) -> Path:
     )
 
 
-def split_dists(dists: dict[str, dict]) -> tuple[list[str], dict[str, str]]:
-    """(pure-Python distributions to copy, {module: requirement} the machine must have).
+@dataclass
+class Plan:
+    """What the bundle carries for a target, from the distributions the checks import."""
 
-    A pure package that pins a compiled one (pydantic and pydantic-core) is needed as well:
-    a copy would not match the machine's compiled half.
-    """
-    compiled = {re.sub(r"[-_.]+", "-", name).lower() for name, d in dists.items() if d["compiled"]}
-    copy, needs = [], {}
+    copy: list[str]  # pure-Python distributions, copied from PY
+    wheels: list[str]  # name==version: the target's wheels, carried
+    needs: dict[str, dict]  # module: {requirement, carried, why}: every compiled one
+
+
+def plan(dists: dict[str, dict], target: Target) -> Plan:
+    """Pure packages are copied; compiled ones (and pure ones that pin a compiled one, as
+    pydantic pins pydantic-core: a copy would not match the machine's compiled half) are
+    carried as the target's wheels unless the target has them or they cannot be carried."""
+    compiled = {normalized(name) for name, d in dists.items() if d["compiled"]}
+    result = Plan([], [], {})
     for name, dist in sorted(dists.items()):
-        if dist["with_torch"] or name in WITH_TORCH:
+        key = normalized(name)
+        if dist["with_torch"] or key in WITH_TORCH:
             continue
-        if dist["compiled"] or compiled & set(dist["pins"]):
-            needs[dist["modules"][0]] = f"{name}=={dist['version']}"
+        if not (dist["compiled"] or compiled & set(dist["pins"])):
+            result.copy.append(name)
+            continue
+        requirement = f"{name}=={dist['version']}"
+        if key in target.has:
+            need = {"carried": False, "why": f"the target ({target.name}) has it"}
+        elif key in NOT_CARRIED:
+            need = {"carried": False, "why": f"not carried: {NOT_CARRIED[key]}"}
         else:
-            copy.append(name)
-    return copy, needs
+            need = {"carried": True, "why": f"carried as the {target.name} wheel"}
+            result.wheels.append(requirement)
+        result.needs[dist["modules"][0]] = {"requirement": requirement, **need}
+    return result
+
+
+def wheel_for(directory: Path, requirement: str) -> Path | None:
+    name, version = requirement.split("==")
+    for wheel in sorted(directory.glob("*.whl")):
+        wheel_name, wheel_version = wheel.name.split("-")[:2]
+        if normalized(wheel_name) == normalized(name) and wheel_version == version:
+            return wheel
+    return None
+
+
+def target_wheels(requirements: list[str], target: Target) -> list[Path]:
+    """The target's wheels of requirements (name==version), downloaded once per machine into
+    the cache (pip writes each under a temporary name and renames it)."""
+    directory = WHEEL_DIR / f"gpu-{target.arch}-py{target.python}-glibc{target.glibc}"
+    with locked(directory.name):
+        directory.mkdir(parents=True, exist_ok=True)
+        missing = [r for r in requirements if wheel_for(directory, r) is None]
+        if missing:
+            pip = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check"]
+            run([*pip, "--no-deps", *target.pip_args(), "-d", str(directory), *missing])
+    wheels = {r: wheel_for(directory, r) for r in requirements}
+    absent = [r for r, wheel in wheels.items() if wheel is None]
+    if absent:
+        raise SystemExit(f"gpu-bundle: pip left no {target.name} wheel of {' '.join(absent)}")
+    return [wheel for wheel in wheels.values() if wheel is not None]
+
+
+def requirements_on(dists: dict[str, dict]) -> dict[str, list[list[str]]]:
+    """{distribution: [[requirer, specifier], ...]}: what the imported distributions require
+    of each other, unconditionally (for gpu/carried.py's choice of a machine's own copy)."""
+    from packaging.requirements import Requirement
+
+    found: dict[str, list[list[str]]] = {}
+    for requirer, dist in sorted(dists.items()):
+        for text in dist["requires"]:
+            requirement = Requirement(text)
+            if requirement.marker is None and str(requirement.specifier):
+                entry = [requirer, str(requirement.specifier)]
+                found.setdefault(normalized(requirement.name), []).append(entry)
+    return found
 
 
 def project_files() -> list[str]:
@@ -97,7 +228,7 @@ def project_files() -> list[str]:
     return [path for path in out.splitlines() if (REPO / path).is_file()]
 
 
-def build(python: str, out: Path) -> Path:
+def build(python: str, out: Path, target: Target) -> Path:
     wheel = vllm_wheel()
     sources = extract_sources(wheel)
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,32 +245,51 @@ def build(python: str, out: Path) -> Path:
              "--originals", str(sources / "vllm"), "--out", str(rendered)],
             cwd=REPO,
         )  # fmt: skip
-        # what the checks import, found by importing it with PY (CPU platform) and the
-        # archive's vLLM sources, as the bundle runs (PY's own vLLM may need a driver)
+        # what the checks import, found by importing it with PY and the archive's vLLM
+        # sources, as the bundle runs (PY's own vLLM may need a driver): the CPU platform's
+        # imports and the CUDA path's (import_smoke.py's cuda-path)
         dists_path = Path(tmp) / "dists.json"
-        path = f"{REPO}:{bundle / 'vllm-src'}"
+        path = f"{REPO}:{bundle / 'vllm-src'}:{REPO / 'tests' / 'vllm'}"
         env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": path}
         smoke = [python, str(REPO / "gpu" / "import_smoke.py"), "cpu", str(rendered)]
         run([*smoke, str(dists_path)], env=env, cwd=tmp)
-        copy, needs = split_dists(json.loads(dists_path.read_text()))
-        site, dists = site_packages(python), json.loads(dists_path.read_text())
-        for name in copy:
+        dists = json.loads(dists_path.read_text())
+        carry = plan(dists, target)
+        site = site_packages(python)
+        carried: dict[str, dict] = {}
+        for name in carry.copy:
+            files = []
             for rel in dists[name]["files"]:
                 source = site / rel
                 if source.is_file() and "__pycache__" not in rel:
                     (bundle / "site" / rel).parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy2(source, bundle / "site" / rel)
-        (bundle / "needs.json").write_text(json.dumps(needs, indent=2, sort_keys=True) + "\n")
-        (bundle / "packages.json").write_text(
-            json.dumps({name: dists[name]["version"] for name in copy}, indent=2) + "\n"
-        )
+                    files.append(rel)
+            carried[name] = {"version": dists[name]["version"], "site": files}
+        (bundle / "wheels").mkdir()
+        for requirement, wheel in zip(
+            carry.wheels, target_wheels(carry.wheels, target), strict=True
+        ):
+            shutil.copy2(wheel, bundle / "wheels" / wheel.name)
+            name, version = requirement.split("==")
+            carried[name] = {"version": version, "wheel": f"wheels/{wheel.name}"}
+        requires = requirements_on(dists)
+        for name, entry in carried.items():
+            entry["requires"] = requires.get(normalized(name), [])
+        manifest = {"target": target.describe(), "packages": carried}
+        (bundle / "carried.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        (bundle / "needs.json").write_text(json.dumps(carry.needs, indent=2, sort_keys=True))
         out.parent.mkdir(parents=True, exist_ok=True)
         with tarfile.open(out, "w:gz", compresslevel=9) as archive:
             archive.add(stage, arcname=NAME)
     size = out.stat().st_size
     if size > MAX_BYTES:
         raise SystemExit(f"gpu-bundle: {out} is {size / MIB:.1f} MiB, above {MAX_BYTES // MIB}")
-    print(f"gpu-bundle: {len(copy)} pure-Python packages, {len(needs)} compiled ones needed")
+    print(
+        f"gpu-bundle: for {target.name}: {len(carry.copy)} pure-Python packages copied, "
+        f"{len(carry.wheels)} wheels carried ({' '.join(carry.wheels)}), "
+        f"{len(carry.needs) - len(carry.wheels)} compiled ones the machine's own"
+    )
     print(f"gpu-bundle: {size / MIB:.1f} MiB")
     return out
 
@@ -150,16 +300,22 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("sources")
     b = sub.add_parser("build")
     b.add_argument("--python", help="default: the vLLM test venv (built when missing)")
+    b.add_argument(
+        "--target",
+        default=DEFAULT_TARGET,
+        help=f"a file of gpu/targets/ by name, or ARCH-pyX.Y (default {DEFAULT_TARGET})",
+    )
     b.add_argument("--out", type=Path, default=REPO / ".cache" / "gpu-bundle" / f"{NAME}.tar.gz")
     args = parser.parse_args(argv)
     if args.command == "sources":
         print(extract_sources(vllm_wheel()))
         return 0
+    target = Target.named(args.target)
     python = args.python or str(vllm_venv())
     if not Path(python).exists():
         print(f"gpu-bundle: no Python at {python}: pass --python with vLLM 0.33.0", file=sys.stderr)
         return 2
-    print(build(python, args.out.resolve()))
+    print(build(python, args.out.resolve(), target))
     return 0
 
 

@@ -49,8 +49,10 @@ trap 'rm -rf "$work"' EXIT
 "$python" gpu/preamble.py "$device" "$work/preamble.json" >/dev/null
 needs=()
 if [[ -d bundle/vllm-src ]]; then
-    # the unpacked bundle: vLLM's sources and the pure-Python packages it carries
-    vllm_path=$root/bundle/vllm-src:$root/bundle/site
+    # the unpacked bundle: vLLM's sources, and the packages it carries that this machine
+    # lacks (or has older, or incompatible), laid out for this Python (gpu/carried.py)
+    "$python" gpu/carried.py bundle "$work/carried" "$out/carried.json"
+    vllm_path=$root/bundle/vllm-src:$work/carried
     rendered=${SPARKPLE_GPU_RENDERED:-$root/bundle/rendered}
     needs=(bundle/needs.json)
 elif [[ -n ${SPARKPLE_GPU_RENDERED:-} ]]; then

@@ -1,6 +1,6 @@
 """Import smoke test before the GPU checks: vLLM's platform, and the patched modules import.
 
-Usage: python import_smoke.py {cuda|cpu} RENDERED_DIR [DISTS_JSON]
+Usage: python import_smoke.py {cuda|cpu|cuda-path} RENDERED_DIR [DISTS_JSON]
 
 vLLM's current platform must be CUDA (`cpu`: its CPU platform), and vLLM's CUDA platform
 module imports in both modes (from the bundle's sources with the stand-ins in gpu/standins/
@@ -9,8 +9,16 @@ laid over the package (as the serving container's bind mounts lay them) and ever
 checks import is imported: the patched n-gram embedding, model state, loader filter and the
 added packed-table backend, vLLM's model loader's weight iterators, the V2 runner's model
 state base, and transformers' Qwen4Exp config; none of them needs vLLM's compiled ops.
-DISTS_JSON: where to write the installed distributions those imports loaded (the bundle
-copies the pure-Python ones and lists the compiled ones).
+
+`cpu` first runs `cuda-path` in a child process: on a machine without a GPU, the imports the
+CUDA run makes, as it makes them. vLLM's current platform is the class its CUDA detection
+names (`vllm.platforms.cuda.CudaPlatform`), set before anything resolves it, then the same
+modules and the CUDA checks' own (the Triton decode kernel, the harness with a CUDA device),
+then the first call that needs a device, which must fail for want of one (and is where it
+stops). So a machine's missing package on the CUDA path is found on a CPU.
+
+DISTS_JSON: where to write the installed distributions those imports loaded, the CUDA path's
+included (the bundle carries the ones a target lacks).
 """
 
 from __future__ import annotations
@@ -37,6 +45,10 @@ MODULES = (
 )
 # The first three come from the rendered files.
 RENDERED = MODULES[:3]
+# What vLLM's CUDA detection returns on a machine with a GPU (vllm/platforms/__init__.py,
+# cuda_platform_plugin), and what the CUDA checks import beside MODULES.
+CUDA_PLATFORM_CLASS = "vllm.platforms.cuda.CudaPlatform"
+CUDA_CHECK_MODULES = ("sparkple.runtime.nvfp4_triton", "ple_equivalence")
 
 
 def lay_over(rendered: Path) -> None:
@@ -96,12 +108,110 @@ def loaded_dists() -> dict[str, dict]:
             with_torch=normalized(dist) in with_torch,
             files=[f for f in files if not f.startswith("..")],
             pins=[normalized(r.split("==")[0]) for r in reqs if "==" in r and ";" not in r],
+            requires=[r for r in reqs if ";" not in r],
         )
     return found
 
 
+# The reference GPU (one H200, sm_90) as vLLM's platform describes it: some modules ask for
+# it while they import (quantization/utils/w8a8_utils.py: the device capability), and the
+# CUDA path goes on past those questions to the first call that needs the device itself.
+REFERENCE_GPU = {"get_device_capability": (9, 0), "get_device_name": "NVIDIA H200",
+                 "device_count": 1}  # fmt: skip
+
+
+def reference_platform(cls: type) -> type:
+    """vLLM's CUDA platform class answering REFERENCE_GPU's questions, each one it is asked
+    noted in `asked` (the rest of the class is vLLM's own)."""
+    from vllm.platforms.interface import DeviceCapability
+
+    asked: list[str] = []
+
+    def answer(name: str, value: object):
+        def method(_cls: type, *args: object, **kwargs: object) -> object:
+            asked.append(name)
+            return DeviceCapability(*value) if name == "get_device_capability" else value
+
+        return classmethod(method)
+
+    methods = {name: answer(name, value) for name, value in REFERENCE_GPU.items()}
+    return type(f"Reference{cls.__name__}", (cls,), {**methods, "asked": asked})
+
+
+def cuda_path(rendered: Path) -> str:
+    """The CUDA run's imports without a GPU, up to its first device call (module doc)."""
+    import vllm.platforms
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    platform = reference_platform(resolve_obj_by_qualname(CUDA_PLATFORM_CLASS))
+    # what vllm.platforms' lazy `current_platform` returns once resolved, set before anything
+    # resolves it (as its resolution on a GPU machine would set it)
+    vllm.platforms._current_platform = platform()
+    lay_over(rendered)
+    for name in MODULES:
+        importlib.import_module(name)
+    sys.argv[1:2] = ["cuda"]  # the harness takes its device from argv[1], as the checks run it
+    for name in CUDA_CHECK_MODULES:
+        importlib.import_module(name)
+    import torch
+    from transformers import Qwen4ExpTextConfig  # noqa: F401
+
+    asked = ", ".join(sorted(set(platform.asked))) or "none"
+    try:
+        torch.zeros(1, device="cuda")
+    except (RuntimeError, AssertionError) as exc:  # torch's two ways of saying "no device"
+        first_line = str(exc).strip().splitlines()[0]
+        return (
+            f"the reference GPU's answers given to {asked}; stopped at the first device "
+            f"call: {first_line}"
+        )
+    raise SystemExit("import smoke: cuda-path found a CUDA device: run the CUDA mode here")
+
+
+def with_cuda_path(rendered: Path, dists_path: Path | None) -> str | None:
+    """Run cuda-path in a child (its platform is not this process's); its line, or None
+    when it failed (its error printed)."""
+    import os
+    import subprocess
+    import tempfile
+
+    # vLLM's CUDA detection as on a GPU machine (no CPU target), and no device visible:
+    # vllm/triton_utils/importing.py then keeps Triton (it allows 0 active drivers where
+    # CUDA_VISIBLE_DEVICES is empty), so its kernels' modules import as on the GPU
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    with tempfile.TemporaryDirectory() as tmp:
+        child_dists = Path(tmp) / "dists.json"
+        cmd = [sys.executable, __file__, "cuda-path", str(rendered), str(child_dists)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode:
+            print(f"import smoke: the CUDA path's imports failed:\n{proc.stderr}", file=sys.stderr)
+            return None
+        if dists_path is not None:
+            dists_path.write_text(child_dists.read_text())
+    return proc.stdout.strip()
+
+
+def write_dists(path: Path) -> None:
+    """This process's loaded distributions, merged into what PATH holds (the child's)."""
+    found = json.loads(path.read_text()) if path.is_file() else {}
+    found.update(loaded_dists())
+    path.write_text(json.dumps(found, indent=2, sort_keys=True))
+
+
 def main() -> int:
     device, rendered = sys.argv[1], Path(sys.argv[2]).resolve()
+    dists_path = Path(sys.argv[3]) if len(sys.argv) > 3 else None
+    if device == "cuda-path":
+        print(f"import smoke, CUDA path: {CUDA_PLATFORM_CLASS}; {cuda_path(rendered)}")
+        if dists_path is not None:
+            write_dists(dists_path)
+        return 0
+    if device == "cpu":
+        cuda_line = with_cuda_path(rendered, dists_path)
+        if cuda_line is None:
+            return 1
+        print(cuda_line)
     from vllm.platforms import current_platform
 
     want = current_platform.is_cuda() if device == "cuda" else current_platform.is_cpu()
@@ -127,8 +237,8 @@ def main() -> int:
         f"imports; patched modules import from {rendered}; {len(vllm_modules)} vLLM modules "
         "loaded"
     )
-    if len(sys.argv) > 3:
-        Path(sys.argv[3]).write_text(json.dumps(loaded_dists(), indent=2, sort_keys=True))
+    if dists_path is not None:
+        write_dists(dists_path)
     return 0
 
 

@@ -6,9 +6,10 @@ Prints the GPU, its driver, the CUDA version torch was built for, and the torch,
 vLLM and Python versions; refuses, with one line and exit 2: a Python outside the vLLM
 wheel's range, a torch that does not import, a torch without CUDA, a GPU torch cannot use
 (no NVIDIA GPU, or a driver older than torch's CUDA build needs), and compiled packages the
-checks import that this Python lacks (NEEDS_JSON, written by the bundle). `cpu` (the smoke
-mode) needs torch only. Torch and triton other than vLLM 0.33.0's pins are accepted and
-reported. Standard library only until torch is imported.
+checks import that do not import here (NEEDS_JSON, written by the bundle: those it carries,
+laid on the path by carried.py, and those that must be the machine's own, each with why).
+`cpu` (the smoke mode) needs torch only. Torch and triton other than vLLM 0.33.0's pins are
+accepted and reported. Standard library only until torch is imported.
 """
 
 from __future__ import annotations
@@ -41,23 +42,25 @@ def check_python(version: tuple[int, int]) -> None:
         )
 
 
-def check_needs(needs: dict[str, str]) -> None:
-    """The compiled packages the checks import must already be here (they are per platform)."""
+def check_needs(needs: dict[str, dict]) -> None:
+    """The compiled packages the checks import must import here: the bundle's (carried.py
+    laid them on the path) or the machine's own (the target has them, or they cannot be
+    carried)."""
     missing = []
-    for module, requirement in sorted(needs.items()):
+    for module, need in sorted(needs.items()):
         try:
             found = importlib.util.find_spec(module) is not None
         except (ImportError, ValueError):
             found = False
         if not found:
-            missing.append(requirement)
+            missing.append(f"{need['requirement']} ({need['why']})")
     if missing:
         # no `pip install` advice: the machine the bundle is for is offline
         raise Refusal(
-            f"this Python lacks compiled packages the checks import: {' '.join(missing)}; "
-            "they are built per platform, so the bundle does not carry them: add them to this "
-            "Python (wheels for its platform and Python version), or run the check in the "
-            "serving image"
+            f"this Python lacks compiled packages the checks import: {'; '.join(missing)}: "
+            "add them to this Python (wheels for its platform and Python version), build the "
+            "bundle for a target without them (`make gpu-bundle TARGET=ARCH-pyX.Y`), or run "
+            "the check in the serving image"
         )
 
 
@@ -97,7 +100,7 @@ def vllm_version() -> tuple[str | None, str | None]:
     return str(__version__), spec.origin
 
 
-def collect(device: str, needs: dict[str, str]) -> dict:
+def collect(device: str, needs: dict[str, dict]) -> dict:
     info: dict = {"python": sys.version.split()[0], "executable": sys.executable}
     check_python(sys.version_info[:2])
     info.update(nvidia_smi())

@@ -8,7 +8,8 @@ ever sees a half-built one (it waits on the lock). Shared by the tests that read
 code (tests/pkg cross-checks, tests/vllm patches and integration), gpu/bundle.py and bench/.
 
 `python3 tests/wheel_cache.py vllm-venv` builds the venv (.ci/setup-venv runs it in the
-background while the other phases start) and prints its Python.
+background while the other phases start) and prints its Python; `machine-venv TARGET_TOML`
+builds the simulated offline GPU machine of a gpu/targets/ file the same way.
 """
 
 from __future__ import annotations
@@ -163,11 +164,54 @@ def vllm_venv() -> Path:
     return build_once(venv, install, "\n".join(inputs) + "\n") / "bin" / "python"
 
 
+def python_of(version: str) -> Path:
+    """An interpreter of Python `version` (X.Y): on PATH, or one pyenv installed."""
+    found = shutil.which(f"python{version}")
+    candidates = [Path(found)] if found else []
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    candidates += sorted(pyenv.glob(f"{version}.*/bin/python{version}"), reverse=True)
+    for python in candidates:
+        probe = subprocess.run([str(python), "-c", "import venv"], capture_output=True)
+        if probe.returncode == 0:
+            return python
+    raise RuntimeError(
+        f"no Python {version} here (python{version} on PATH, or under {pyenv}): install one "
+        "to build the simulated GPU machine's venv"
+    )
+
+
+def machine_venv(target: Path) -> Path:
+    """Python of a venv that is the offline GPU machine a target file of gpu/targets/
+    describes: its Python version, torch and triton with what they require, and the other
+    packages its `has` names without theirs (the image's other packages are not the check's
+    needs: the bundle carries those). PyPI's torch for x86_64 is a CUDA build: about 4.6 GB
+    and 2 minutes, once per machine."""
+    import tomllib
+
+    spec = tomllib.loads(target.read_text())
+    python = python_of(spec["python"])
+    torch_first = [r for r in spec["has"] if re.split(r"[=<>!~ ]", r)[0] in ("torch", "triton")]
+    rest = [r for r in spec["has"] if r not in torch_first]
+    recipe = "torch and triton with their requirements, then the rest --no-deps"
+    inputs = (target.name, target.read_text(), str(python), recipe)
+
+    def install(venv: Path) -> None:
+        subprocess.run([str(python), "-m", "venv", str(venv)], check=True)
+        pip(venv / "bin" / "python", "install", *torch_first)
+        pip(venv / "bin" / "python", "install", "--no-deps", *rest)
+
+    venv = CACHE / f"machine-venv-{target.stem}-{key(*inputs)}"
+    return build_once(venv, install, "\n".join(inputs) + "\n") / "bin" / "python"
+
+
 def main(argv: list[str]) -> int:
-    if argv != ["vllm-venv"]:
-        print("usage: wheel_cache.py vllm-venv", file=sys.stderr)
+    if argv == ["vllm-venv"]:
+        print(vllm_venv())
+    elif len(argv) == 2 and argv[0] == "machine-venv":
+        print(machine_venv(Path(argv[1]).resolve()))
+    else:
+        print("usage: wheel_cache.py vllm-venv | machine-venv TARGET_TOML", file=sys.stderr)
         return 2
-    print(vllm_venv())
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import wheel_cache
 from skip_guard import skip_without_cuda
 
 from sparkple import patch
@@ -128,6 +130,7 @@ def gpu_module(name: str):
     """gpu/NAME.py as a module (gpu/ is scripts, not a package)."""
     spec = importlib.util.spec_from_file_location(f"gpu_{name}", REPO / "gpu" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -199,9 +202,20 @@ def test_preamble_refuses_pythons_outside_the_wheels_range() -> None:
 
 def test_preamble_names_the_compiled_packages_missing() -> None:
     module = preamble()
-    module.check_needs({"json": "json", "sys": "sys"})
-    with pytest.raises(module.Refusal, match="import: nothere==1.0 nothere2==2; they are") as info:
-        module.check_needs({"sparkple_nothere": "nothere==1.0", "sparkple_nothere2": "nothere2==2"})
+    here = {"requirement": "json==0", "carried": False, "why": "the target (t) has it"}
+    module.check_needs({"json": here, "sys": here})
+    missing = {
+        "sparkple_nothere": {"requirement": "nothere==1.0", "carried": False,
+                             "why": "not carried: too big"},
+        "sparkple_nothere2": {"requirement": "nothere2==2", "carried": False,
+                              "why": "the target (t) has it"},
+    }  # fmt: skip
+    with pytest.raises(module.Refusal) as info:
+        module.check_needs(missing)
+    assert str(info.value).startswith(
+        "this Python lacks compiled packages the checks import: nothere==1.0 (not carried: too "
+        "big); nothere2==2 (the target (t) has it): add them"
+    )
     assert "pip install" not in str(info.value)  # the bundle's machine is offline
 
 
@@ -228,7 +242,7 @@ def test_the_sources_import_vllms_cuda_platform_and_its_standin_refuses_use(
     )
     assert proc.returncode == 1
     assert "is the GPU check's stand-in for vLLM's compiled ops: 'silu_and_mul'" in proc.stderr
-    assert log.read_text() == "vllm._C_stable_libtorch.silu_and_mul\n"
+    assert log.read_text() == "refused vllm._C_stable_libtorch.silu_and_mul\n"
     # without the stand-in, the same import stops at the compiled module
     bare = tmp_path / "bare"
     shutil.copytree(sources, bare, ignore=shutil.ignore_patterns("_C_stable_libtorch.py"))
@@ -240,19 +254,40 @@ def test_the_sources_import_vllms_cuda_platform_and_its_standin_refuses_use(
     assert "No module named 'vllm._C_stable_libtorch'" in proc.stderr
 
 
-def test_bundle_runs_the_cpu_smoke_mode_offline(vllm_venv: Path, tmp_path: Path) -> None:
-    """make gpu-bundle's archive: under 60 MiB, its path the last line; unpacked elsewhere,
-    its gpu-check.sh --cpu-smoke passes offline, with vLLM from the archive."""
+# The reference offline GPU machine (gpu/targets/): the compiled packages the check imports
+# that its image lacks, which the bundle must carry as its wheels (pydantic with them: it
+# pins pydantic-core).
+TARGET = REPO / "gpu" / "targets" / "h200-offline.toml"
+REFERENCE_LACKS = {
+    "apache-tvm-ffi", "cbor2", "llguidance", "msgspec", "oss-harmony", "pybase64", "pydantic",
+    "pydantic-core", "pyzmq", "xgrammar",
+}  # fmt: skip
+
+
+def normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@pytest.fixture(scope="session")
+def machine_python() -> Path:
+    """The simulated offline GPU machine: a venv of the target's Python (3.12) with torch
+    2.11.0, triton 3.6.0 and what the target's image has of the check's needs, no more."""
+    return wheel_cache.machine_venv(TARGET)
+
+
+def test_bundle_runs_on_the_simulated_offline_gpu_machine(
+    vllm_venv: Path, machine_python: Path, tmp_path: Path
+) -> None:
+    """make gpu-bundle's archive for the reference machine: under 60 MiB, its path the last
+    line, the target's wheels of the 10 compiled packages the machine lacks. Unpacked in a new
+    folder, with no network (a new network namespace: loopback only), its gpu-check.sh
+    --cpu-smoke passes on the simulated machine: the preamble, the carried packages laid out
+    (each from the bundle or the machine, and why), the CUDA path's imports up to the first
+    device call, and every check. Nothing of the stand-ins is used but vLLM's import-time
+    CUTLASS query."""
     archive = tmp_path / "gpu-check.tar.gz"
-    cmd = [
-        sys.executable,
-        "gpu/bundle.py",
-        "build",
-        "--python",
-        str(vllm_venv),
-        "--out",
-        str(archive),
-    ]
+    cmd = [sys.executable, "gpu/bundle.py", "build", "--target", TARGET.stem,
+           "--python", str(vllm_venv), "--out", str(archive)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.splitlines()[-1] == str(archive)
@@ -260,24 +295,86 @@ def test_bundle_runs_the_cpu_smoke_mode_offline(vllm_venv: Path, tmp_path: Path)
     with tarfile.open(archive) as tar:
         tar.extractall(tmp_path / "unpacked", filter="data")
     root = tmp_path / "unpacked" / "sparkple-gpu-check"
+    carried = json.loads((root / "bundle" / "carried.json").read_text())
+    assert carried["target"] == {"name": "h200-offline", "arch": "x86_64", "python": "3.12",
+                                 "glibc": "2.35"}  # fmt: skip
+    wheels = {normalized(n) for n, p in carried["packages"].items() if "wheel" in p}
+    assert wheels == REFERENCE_LACKS
     needs = json.loads((root / "bundle" / "needs.json").read_text())
-    assert "pydantic==" in needs["pydantic"]  # pinned to its compiled core: not copied
-    assert (root / "bundle" / "site" / "transformers").is_dir()
+    assert {normalized(n["requirement"].split("==")[0]) for n in needs.values()
+            if n["carried"]} == REFERENCE_LACKS  # fmt: skip
+    assert needs["torchvision"]["why"] == "the target (h200-offline) has it"
+
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "GPU_CHECK_OUT")}
     log = tmp_path / "standin.log"
-    env.update(OFFLINE, PYTHON=str(vllm_venv), SPARKPLE_STANDIN_LOG=str(log))
+    env.update(OFFLINE, PYTHON=str(machine_python), SPARKPLE_STANDIN_LOG=str(log))
+    offline = "ip link set lo up && exec bash gpu-check.sh --cpu-smoke"
     proc = subprocess.run(
-        ["bash", "gpu-check.sh", "--cpu-smoke"], capture_output=True, text=True, env=env, cwd=root
-    )
+        ["unshare", "--net", "bash", "-c", offline], capture_output=True, text=True, env=env,
+        cwd=root,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    # vLLM's CUDA platform module imported from the archive, and nothing used its stand-in
-    assert (root / "bundle" / "vllm-src" / "vllm" / "_C_stable_libtorch.py").is_file()
-    assert "import smoke: vLLM platform CpuPlatform; CUDA platform module imports" in proc.stdout
-    assert not log.exists()
-    report = json.loads((root / "gpu-check-results" / "gpu-check.json").read_text())
-    assert report["ok"] and report["checks"]["graph"]["ok"]
-    assert report["preamble"]["vllm"] == "0.33.0"
+    out = root / "gpu-check-results"
+    report = json.loads((out / "gpu-check.json").read_text())
+    assert report["preamble"]["python"].startswith("3.12.")
+    assert (
+        report["preamble"]["torch"].startswith("2.11.0") and report["preamble"]["triton"] == "3.6.0"
+    )
     assert report["preamble"]["vllm_file"].startswith(str(root / "bundle" / "vllm-src"))
-    summary = (root / "gpu-check-results" / "summary.txt").read_text().splitlines()
+    assert report["ok"] and report["checks"]["graph"]["ok"] and report["checks"]["host_split"]["ok"]
+    # the machine lacks them, so the bundle's copies are used, and the report says which
+    used = json.loads((out / "carried.json").read_text())
+    assert set(used) == set(carried["packages"])
+    for name in carried["packages"]:
+        if normalized(name) in REFERENCE_LACKS:
+            assert used[name] == {"used": "bundle", "version": carried["packages"][name]["version"],
+                                  "why": "not on this machine"}  # fmt: skip
+    assert f"gpu-check: of {len(used)} carried packages, " in proc.stdout
+    # the CUDA path's imports, as on the GPU, stopped where a device is needed
+    cuda_line = next(line for line in proc.stdout.splitlines() if "CUDA path" in line)
+    assert "vllm.platforms.cuda.CudaPlatform" in cuda_line
+    assert "stopped at the first device call: Found no NVIDIA driver" in cuda_line
+    assert "import smoke: vLLM platform CpuPlatform; CUDA platform module imports" in proc.stdout
+    # vLLM's w8a8 utils ask for CUTLASS block FP8 once as they import on the CUDA path
+    assert log.read_text() == "answered cutlass_scaled_mm_supports_block_fp8(90)\n"
+    summary = (out / "summary.txt").read_text().splitlines()
     assert summary[-1] == "gpu-check: every check passed"
-    assert summary[1] == report["checks"]["graph"]["summary"][0]
+
+
+def carried_module():
+    return gpu_module("carried")
+
+
+def test_the_machines_own_copy_is_used_only_when_as_new_and_compatible() -> None:
+    carried = carried_module()
+    packages = {
+        "newer": {"version": "1.0", "requires": [["vllm", ">=0.9"]]},
+        "same": {"version": "2.0", "requires": []},
+        "older": {"version": "3.0", "requires": []},
+        "too-new": {"version": "1.0", "requires": [["vllm", "<1.5"]]},
+        "absent": {"version": "1.0", "requires": []},
+        "pydantic": {"version": "2.14.4", "requires": []},
+        "pydantic-core": {"version": "2.50.5", "requires": []},
+    }
+    machine = {"newer": "1.2", "same": "2.0", "older": "2.9", "too-new": "2.0",
+               "pydantic": "2.15.0"}  # fmt: skip
+    pins = {"pydantic": {"pydantic-core": "==2.51.0"}}
+    chosen = carried.choose(packages, machine, lambda name: pins.get(name, {}))
+    assert {n: c["used"] for n, c in chosen.items()} == {
+        "newer": "machine", "same": "machine", "older": "bundle", "too-new": "bundle",
+        "absent": "bundle", "pydantic": "bundle", "pydantic-core": "bundle",
+    }  # fmt: skip
+    assert chosen["newer"]["version"] == "1.2" and chosen["older"]["version"] == "3.0"
+    assert chosen["too-new"]["why"] == "this machine's 2.0 does not meet vllm needs <1.5"
+    # the machine's pydantic pins a pydantic-core it lacks: both come from the bundle
+    assert chosen["pydantic"]["why"] == (
+        "this machine's copy needs pydantic-core==2.51.0, and 2.50.5 is used"
+    )
+
+
+def test_a_bundle_for_another_python_is_refused_by_name() -> None:
+    carried = carried_module()
+    target = {"name": "h200-offline", "arch": "x86_64", "python": "3.9", "glibc": "2.35"}
+    refusal = carried.check_target(target)
+    assert refusal is not None and "carries wheels for x86_64 Python 3.9 (h200-offline)" in refusal
+    assert "make gpu-bundle TARGET=" in refusal
