@@ -6,9 +6,10 @@ Runs in the vLLM venv with the rendered patch laid over the package, as ple_equi
 On a GPU (DEVICE cuda): per step shape (a prompt chunk alone, decode steps with MTP drafts, a
 chunk beside decoding requests) the host step's seconds before the device sync, waiting for it
 and after it (the patch's HostStep.last_times), median of repeats; then the forward's fused
-Triton decode against the torch decode of the same device buffer (median microseconds, and
-whether the bytes are identical). Writes one JSON object, with `ok` and the `summary` lines that
-gpu/gpu-check.sh reports.
+Triton decode against the torch decode of the same device buffer, every byte value drawn (sign
+bits and NaN scales too; median microseconds, and whether every value is the same, NaN as NaN).
+Writes one JSON object, with `ok` and the `summary` lines that gpu/gpu-check.sh reports, and
+exits 1 when `ok` is false.
 
 cpu (or --cpu-smoke) builds everything up to the first CUDA call (the patched layer, vLLM's
 model state, the runner's request state, the step shapes, one host step each on CPU) and writes
@@ -52,7 +53,7 @@ def add_requests(runner: eq.Runner, vocab: int, eos: int) -> None:
     runner.add("p", eq.request_tokens(vocab, eos, seed=9, length=900), 900)
 
 
-def main() -> None:
+def main() -> int:
     rendered, result_path = Path(sys.argv[2]), Path(sys.argv[3])
     snapshot, table_dir = (Path(p) for p in sys.argv[4].split("=", 1))
     from transformers import Qwen4ExpTextConfig
@@ -96,6 +97,7 @@ def main() -> None:
         emb.close()
     result["ok"], result["summary"] = verdict(result)
     result_path.write_text(json.dumps(result, indent=2))
+    return 0 if result["ok"] else 1
 
 
 def verdict(result: dict) -> tuple[bool, list[str]]:
@@ -120,13 +122,19 @@ def verdict(result: dict) -> tuple[bool, list[str]]:
     return ok, lines
 
 
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal element by element, a NaN equal to a NaN (their payloads may differ)."""
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
 def time_decodes(emb) -> dict:
     """The fused decode against the torch decode of the same device buffer, 2,048 tokens."""
     from sparkple.runtime.nvfp4 import dequantize_rows_torch
     from sparkple.runtime.nvfp4_triton import decode_packed_rows
 
     tokens = min(2048, emb.packed_rows.shape[0])
-    emb.packed_rows.copy_(torch.randint(0, 0x7E, emb.packed_rows.shape, dtype=torch.uint8))
+    # every byte value: sign bits in the codes, and NaN scales (E4M3 0x7F and 0xFF)
+    emb.packed_rows.copy_(torch.randint(0, 256, emb.packed_rows.shape, dtype=torch.uint8))
     packed = emb.packed_rows[:tokens]
     tables = (emb.nvfp4_pairs, emb.nvfp4_e4m3)
 
@@ -140,7 +148,7 @@ def time_decodes(emb) -> dict:
             packed, emb._global_scale, emb.embedding_dim, dtype=emb.params_dtype, tables=tables
         )
 
-    out = {"tokens": tokens, "identical": bool(torch.equal(fused(), reference()))}
+    out = {"tokens": tokens, "identical": same_values(fused(), reference())}
     for name, fn in (("fused_us", fused), ("torch_us", reference)):
         samples = []
         for _ in range(50):
@@ -154,4 +162,4 @@ def time_decodes(emb) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
