@@ -52,6 +52,8 @@ STATS_HELP = {
     "lookahead_pages_advised": "table pages of later prompt chunks advised ahead of their step",
     "lookahead_pages_used": "lookahead pages whose prompt chunk a step then gathered",
     "lookahead_pages_wasted": "lookahead pages of requests removed before their chunk ran",
+    "host_device_mismatch": "requests whose prompt tokens on the host differed from the "
+    "device's (their rows then come from the device's inputs)",
 }
 
 

@@ -48,6 +48,7 @@ COUNTERS: tuple[str, ...] = (
     "lookahead_pages_advised",  # pages of later prompt chunks advised ahead of their step
     "lookahead_pages_used",  # of those, pages whose chunk a step then gathered
     "lookahead_pages_wasted",  # of those, pages of requests removed before their chunk ran
+    "host_device_mismatch",  # requests whose prompt tokens on the host differed from the device's
 )
 # Handshake wait bounds, seconds: from a spin that finds the flag set to the step timeout.
 WAIT_BOUNDS_S: tuple[float, ...] = (

@@ -153,6 +153,20 @@ CASES: list[tuple[str, list[dict[str, str]], str, list[tuple[dict[str, str], str
         ],
     ),
     (
+        "SparkplePLEHostDeviceMismatch",
+        [
+            series("sparkple_ple_host_device_mismatch_total", "0 0 0 1 1 1", host="a"),
+            series("sparkple_ple_host_device_mismatch_total", "0x5", host="b"),
+        ],
+        "5m",
+        [
+            (
+                {"host": "a"},
+                "a: the PLE host step's prompt tokens differed from the device's (1 in 15m)",
+            )
+        ],
+    ),
+    (
         "SparkpleTableNotPublished",
         [
             series("sparkple_ple_table_published", "0x8", host="a"),

@@ -280,9 +280,15 @@ class Runner:
         pad_reqs: int = 0,
         dummy: bool = False,
         drafts: dict[str, int] | None = None,
+        host_shift: dict[str, int] | None = None,
+        device_counts: dict[str, int] | None = None,
     ):
         """scheduled: (request id, tokens computed before, tokens this step) per request;
         drafts: how many of a request's tokens are MTP drafts (the last ones).
+        Faults of the host's view, the device's inputs as scheduled: host_shift adds to a
+        request's computed-prefill count on the host (bookkeeping off by that many tokens);
+        device_counts gives a request fewer tokens on the device than the host scheduled
+        (the device moved the boundaries: adaptive draft verification), the rest padding.
 
         Returns (input_ids, query_start_loc, ngram_context, number of real tokens) as the
         model's forward receives them; padding tokens and requests are added as CUDA-graph
@@ -304,7 +310,8 @@ class Runner:
                 reqs.all_token_ids.gpu[index, prompt_len:computed] = torch.as_tensor(accepted)
                 reqs.num_computed_tokens.gpu[index] = computed
                 reqs.num_computed_tokens_np[index] = computed
-                chunks.append(torch.as_tensor(tokens[computed : computed + count]))
+                on_device = (device_counts or {}).get(req_id, count)
+                chunks.append(torch.as_tensor(tokens[computed : computed + on_device]))
             else:
                 chunks.append(torch.zeros(count, dtype=torch.int64))
         # what the runner's update_requests derives on the host
@@ -313,12 +320,19 @@ class Runner:
         )
         num_reqs = len(scheduled)
         num_real = sum(lengths)
-        garbage = torch.as_tensor(self.rng.integers(0, 1000, size=pad_tokens))
+        moved = num_real - sum(len(chunk) for chunk in chunks)  # tokens the device has fewer
+        garbage = torch.as_tensor(self.rng.integers(0, 1000, size=pad_tokens + moved))
         input_ids = torch.cat([*chunks, garbage]).to(torch.int32).to(DEVICE)
         starts = np.concatenate([[0], np.cumsum(lengths), [num_real] * pad_reqs]).astype(np.int32)
+        device_lengths = [len(chunk) for chunk in chunks]
+        device_starts = np.concatenate(
+            [[0], np.cumsum(device_lengths), [num_real - moved] * pad_reqs]
+        ).astype(np.int32)
         idx_np = np.asarray(indices, dtype=np.intp)
         prefill_len_np = reqs.prefill_len.np[idx_np].copy()
         computed_prefill = reqs.num_computed_prefill_tokens[idx_np].copy()
+        for position, (req_id, _, _) in enumerate(scheduled):
+            computed_prefill[position] += (host_shift or {}).get(req_id, 0)
         is_prefilling = computed_prefill < prefill_len_np
         draft_counts = None
         if drafts is not None:
@@ -326,7 +340,7 @@ class Runner:
                 [drafts.get(req_id, 0) for req_id, _, _ in scheduled], dtype=np.int32
             )
         idx_mapping = torch.as_tensor(idx_np, dtype=torch.int64, device=DEVICE)
-        qsl = torch.as_tensor(starts, device=DEVICE)
+        qsl = torch.as_tensor(device_starts, device=DEVICE)
         batch = InputBatch(
             req_ids=[
                 f"dummy-{i}" if dummy else req_id for i, (req_id, _, _) in enumerate(scheduled)
@@ -363,7 +377,7 @@ class Runner:
             prompt_lens=None,
         )
         inputs = self.state.prepare_inputs(batch, reqs)
-        return input_ids, inputs["query_start_loc"], inputs["ngram_context"], num_real
+        return input_ids, inputs["query_start_loc"], inputs["ngram_context"], num_real - moved
 
 
 def request_tokens(vocab: int, eos: int, seed: int, length: int = 300) -> np.ndarray:
@@ -751,6 +765,85 @@ def failures(patched, state_module, snapshot: Path, table_dir: Path) -> dict:
     return seen
 
 
+BACKEND_MODULE = "vllm.models.qwen4_exp.common.ple_mmap_embedding"
+
+
+def host_checks(stock_module, patched, state_module, snapshot: Path, table_dir: Path) -> dict:
+    """The host step's checks of its own view against the device's inputs, step by step: its
+    rows (against the stock layer on the device's inputs, in vLLM's kernel order), whether it
+    waited for the device, and the mismatches it counted.
+
+    shifted_N: the host's computed-prefill count of prompt p is N tokens ahead of the device's
+    from the second step on (a bookkeeping fault), beside a decoding request d0, then alone;
+    unprobed: the same shift with the probes off (HOST_PROBES 0), the check this adds.
+    moved: the device verifies fewer drafts of r0 than the host scheduled (its request
+    boundaries moved), which the host sees in the boundaries it copies.
+    """
+    from transformers import Qwen4ExpTextConfig
+
+    raw = json.loads((snapshot / "config.json").read_text())
+    config = Qwen4ExpTextConfig(**raw["text_config"])
+    prefix = f"model.language_model.layers.{PLE_DECODER_LAYER}.ple.ple_embedding."
+    eos, vocab = int(config.eos_token_id), int(config.vocab_size)
+    os.environ.pop("SPARKPLE_PLE_TABLE_DIR", None)
+    stock, _ = build(stock_module, config, snapshot, prefix, torch.float32)
+    backend = importlib.import_module(BACKEND_MODULE)
+    probes = backend.HOST_PROBES
+
+    def run(steps, requests, probes_on: bool = True) -> dict:
+        layer, _ = build(patched, config, snapshot, prefix, torch.float32)
+        state = model_state(state_module, torch.nn.ModuleList([layer]), config)
+        runner = Runner(state)
+        for req_id, seed, prompt_len, length in requests:
+            runner.add(req_id, request_tokens(vocab, eos, seed=seed, length=length), prompt_len)
+        backend.HOST_PROBES = probes if probes_on else 0
+        out: dict = {"rows_right": [], "synced": [], "mismatches": []}
+        try:
+            for scheduled, kwargs in steps:
+                input_ids, qsl, ctx, real = runner.step(scheduled, **kwargs)
+                ours = forward(layer, input_ids, qsl, ctx)[:real]
+                theirs = kernel_order_step(stock, input_ids, qsl, ctx)[:real]
+                out["rows_right"].append(bool(torch.equal(ours, theirs)))
+                out["synced"].append(state.model._sparkple_host_step.last_synced)
+                counted = layer.ngram_embedding._stats.snapshot()["counters"]
+                out["mismatches"].append(counted["host_device_mismatch"])
+        finally:
+            backend.HOST_PROBES = probes
+            layer.ngram_embedding.close()
+        return out
+
+    def shifted(by: int) -> list:
+        shift = {"host_shift": {"p": by}}
+        return [
+            ([("d0", 0, 32), ("p", 0, 64)], {}),
+            ([("d0", 32, 1), ("p", 64, 64)], shift),
+            ([("d0", 33, 1), ("p", 128, 64)], shift),
+            ([("p", 192, 64)], shift),
+        ]
+
+    prompts = [("d0", 3, 32, 200), ("p", 4, 400, 400)]
+    os.environ["SPARKPLE_PLE_TABLE_DIR"] = str(table_dir)
+    stats_dir = os.environ.pop("SPARKPLE_STATS_DIR", None)  # out of the real steps' file
+    try:
+        result = {f"shifted_{by}": run(shifted(by), prompts) for by in (1, 4)}
+        result["unprobed"] = run(shifted(1), prompts, probes_on=False)
+        drafts = {"drafts": {"r0": 3, "r1": 3}}
+        result["moved"] = run(
+            [
+                ([("r0", 0, 40), ("r1", 0, 50)], {}),
+                ([("r0", 40, 1), ("r1", 50, 1)], {}),
+                ([("r0", 41, 4), ("r1", 51, 4)], {**drafts, "device_counts": {"r0": 2}}),
+                ([("r0", 43, 4), ("r1", 55, 4)], drafts),
+            ],
+            [("r0", 5, 40, 200), ("r1", 6, 50, 200)],
+        )
+    finally:
+        os.environ.pop("SPARKPLE_PLE_TABLE_DIR")
+        if stats_dir is not None:
+            os.environ["SPARKPLE_STATS_DIR"] = stats_dir
+    return result
+
+
 def refusals(patched, snapshot: Path, table_dir: Path) -> dict:
     """Settings the packed table cannot serve are refused at construction, by name."""
     from transformers import Qwen4ExpTextConfig
@@ -821,6 +914,9 @@ def main() -> None:
         snapshot, table_dir = cases[0]
         results["refusals"] = refusals(patched, snapshot, table_dir)
         results["failures"] = failures(patched, state_module, snapshot, table_dir)
+        results["host_checks"] = host_checks(
+            stock_module, patched, state_module, snapshot, table_dir
+        )
     result_path.write_text(json.dumps(results, indent=2))
 
 

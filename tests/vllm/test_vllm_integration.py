@@ -251,6 +251,35 @@ def test_gather_failures_end_the_step_with_an_exception(results: dict) -> None:
     assert failures["dead_thread"]["seconds"] < 1.0
 
 
+def test_host_prompt_tokens_are_checked_against_the_devices(results: dict) -> None:
+    """A host whose computed-prefill count of a prompt is 1 or 4 tokens off: the first step
+    that waits for the device anyway (a decode beside the prompt chunk) brings back the last
+    prompt token of the chunk with its own copy, finds it differs, counts it, and takes that
+    step's rows from the device's inputs; from then on the request's rows all come from the
+    device (a prompt-only step of it waits too). Every step's rows are right. Without the
+    probes, the same fault gives wrong rows and no error."""
+    checks = results["host_checks"]
+    for by in (1, 4):
+        shifted = checks[f"shifted_{by}"]
+        assert shifted["rows_right"] == [True, True, True, True], by
+        assert shifted["synced"] == [False, True, True, True], by
+        assert shifted["mismatches"] == [0, 1, 1, 1], by  # counted once, for the one request
+    unprobed = checks["unprobed"]
+    assert unprobed["rows_right"] == [True, False, False, False]
+    assert unprobed["synced"] == [False, True, True, False]
+    assert unprobed["mismatches"] == [0, 0, 0, 0]
+
+
+def test_moved_request_boundaries_take_every_row_from_the_device(results: dict) -> None:
+    """The device verifies fewer of a request's drafts than the host scheduled: the boundaries
+    the step copies differ from the host's, and every row comes from the device's inputs (no
+    mismatch is counted: the host's prompt view was right); the next step is split again."""
+    moved = results["host_checks"]["moved"]
+    assert moved["rows_right"] == [True, True, True, True]
+    assert moved["synced"] == [False, True, True, True]
+    assert moved["mismatches"] == [0, 0, 0, 0]
+
+
 def test_patched_backend_exports_its_ple_counters(equivalence: dict) -> None:
     written = sorted(Path(equivalence["stats_dir"]).glob("ple-stats-*.json"))
     assert len(written) == 1, written  # one serving process, one file
