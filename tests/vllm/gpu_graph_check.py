@@ -13,7 +13,11 @@ With the rendered patch files laid over the package and a packed table built fro
    host step gathers and uploads the rows): every replay equals stock vLLM's lookup of the same
    step, consecutive replays see different rows, a replay after a dummy step (zero rows) is
    zeros, and the next real step is right again;
-4. the host side of a step (from the end of the previous step's GPU work to the launch of the
+4. every step kind once more (a decode token, 8 of them, 4 requests x 4 MTP tokens, a
+   2,048-token prompt chunk): its rows equal stock's, and the host step waits for the device
+   once where the step has tokens only the device has (each request's prompt is 2,048 tokens:
+   later positions are sampled tokens and drafts), never for a prompt chunk alone;
+5. the host side of a step (from the end of the previous step's GPU work to the launch of the
    forward: prepare_inputs with the whole host step, and filling the graph's inputs), the
    launch and the step to its end, for 1, 8, 16 (4 requests x 4 MTP tokens) and 2,048 tokens,
    cold (table pages evicted and the prefetcher's memory of advised pages forgotten, before
@@ -71,13 +75,17 @@ CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE", "NONE"
 # vLLM's largest captured size by default: min(max_num_seqs x (1 + MTP tokens) x 2, 512)
 # (config/vllm.py), for these 8 requests and 3 MTP tokens; larger steps run eager.
 CAPTURE_MAX = min(MAX_REQS * 4 * 2, 512)
+# Each request's prompt: positions past it hold what the sampler produced, which only the
+# device has (a decode step's token, MTP drafts), as in serving.
+PROMPT_LEN = 2048
 # Timed step shapes: tokens -> (request id, tokens computed before, tokens this step) per
-# request, and whether the step is a uniform decode (what FULL graphs are captured for).
-SHAPES: dict[int, tuple[list[tuple[str, int, int]], bool]] = {
-    1: ([("r0", 4000, 1)], True),
-    8: ([(f"r{r}", 4000, 1) for r in range(8)], True),
-    16: ([(f"r{r}", 4000, 4) for r in range(4)], True),
-    2048: ([("r1", 0, 2048)], False),
+# request, whether the step is a uniform decode (what FULL graphs are captured for), and how
+# many of each request's tokens are MTP drafts (the last ones).
+SHAPES: dict[int, tuple[list[tuple[str, int, int]], bool, dict[str, int] | None]] = {
+    1: ([("r0", 4000, 1)], True, None),
+    8: ([(f"r{r}", 4000, 1) for r in range(8)], True, None),
+    16: ([(f"r{r}", 4000, 4) for r in range(4)], True, {f"r{r}": 3 for r in range(4)}),
+    2048: ([("r1", 0, PROMPT_LEN)], False, None),
 }
 GRAPH_SIZES = tuple(tokens for tokens in SHAPES if tokens <= CAPTURE_MAX)
 
@@ -151,6 +159,10 @@ class Graphs:
     def _forward(self, tokens: int) -> torch.Tensor:
         return forward(self.layer, self.ids[:tokens], self.qsl, self.ctx)
 
+    def eager(self, tokens: int) -> torch.Tensor:
+        """The eager forward on the graphs' inputs (a step above the largest capture)."""
+        return self._forward(tokens)
+
     def _capture(self, tokens: int) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -191,7 +203,7 @@ def replay_checks(runner: Runner, graphs: Graphs, stock, dtype) -> dict:
     tokens, real_reqs = 8, 5  # a padded decode batch: 5 requests, 3 padding tokens
     previous: torch.Tensor | None = None
     for step in range(REPLAYS):
-        scheduled = [(f"r{r}", 100 * step + r, 1) for r in range(real_reqs)]
+        scheduled = [(f"r{r}", PROMPT_LEN + 100 * step + r, 1) for r in range(real_reqs)]
         input_ids, qsl, ctx, real = runner.step(scheduled, pad_tokens=tokens - real_reqs)
         graphs.fill(input_ids, qsl, ctx)
         out = graphs.run(tokens)
@@ -212,18 +224,24 @@ def replay_checks(runner: Runner, graphs: Graphs, stock, dtype) -> dict:
     out = graphs.run(tokens)
     synchronize()
     checks["zero_rows_replay_zero"] = bool((out == 0).all())
-    # every captured size, a real step after the zeros
+    # every step kind, a real step after the zeros: a captured size replays, a larger one runs
+    # eagerly; its rows equal stock's, and it waits for the device once exactly when it has
+    # tokens only the device has (decode tokens, drafts), never for prompt tokens alone
     checks["sizes"] = {}
-    for size in GRAPH_SIZES:
-        scheduled = SHAPES[size][0]
-        input_ids, qsl, ctx, real = runner.step(scheduled)
+    checks["syncs"] = {}
+    host_step = runner.state.model._sparkple_host_step
+    for size, (scheduled, _, drafts) in SHAPES.items():
+        input_ids, qsl, ctx, real = runner.step(scheduled, drafts=drafts)
+        synced = host_step.last_synced
         graphs.fill(input_ids, qsl, ctx)
-        out = graphs.run(size)
+        out = graphs.run(size) if size in GRAPH_SIZES else graphs.eager(size)
         synchronize()
         theirs = stock_lookup(stock, input_ids, qsl, ctx, dtype)
         checks["sizes"][str(size)] = bool(
             torch.equal(out[:real], theirs[:real]) and out[:real].abs().sum() > 0
         )
+        device_tokens = any(computed + count > PROMPT_LEN for _, computed, count in scheduled)
+        checks["syncs"][str(size)] = {"synced": synced, "expected": device_tokens}
     return checks
 
 
@@ -243,6 +261,7 @@ def time_step(
     fill: Callable | None,
     *,
     cold: bool,
+    drafts: dict[str, int] | None = None,
 ) -> dict:
     """Medians over REPEATS of one step shape, each from an idle device.
 
@@ -258,7 +277,7 @@ def time_step(
         before = embedding._stats.snapshot()["handshake_wait_seconds"]["sum"]
         synchronize()
         started = time.perf_counter()
-        input_ids, qsl, ctx, _ = runner.step(scheduled)
+        input_ids, qsl, ctx, _ = runner.step(scheduled, drafts=drafts)
         if fill is not None:
             fill(input_ids, qsl, ctx)
         launched = time.perf_counter()
@@ -286,16 +305,21 @@ def time_step(
 def timings(runner: Runner, embedding, layer, graphs: Graphs) -> dict:
     """Each shape cold and warm, graph and eager, and what each cudagraph mode runs."""
     figures = {}
-    for tokens, (scheduled, uniform) in SHAPES.items():
+    for tokens, (scheduled, uniform, drafts) in SHAPES.items():
         by_execution = {}
-        eager = lambda n: forward(layer, graphs.ids[:n], graphs.qsl, graphs.ctx)  # noqa: E731
-        runs = {"eager": (eager, graphs.fill)}
+        runs = {"eager": (graphs.eager, graphs.fill)}
         if tokens in GRAPH_SIZES:
             runs["graph"] = (graphs.run, graphs.fill)
         for execution, (launch, fill) in runs.items():
             by_execution[execution] = {
                 temperature: time_step(
-                    runner, embedding, scheduled, launch, fill, cold=temperature == "cold"
+                    runner,
+                    embedding,
+                    scheduled,
+                    launch,
+                    fill,
+                    cold=temperature == "cold",
+                    drafts=drafts,
                 )
                 for temperature in ("cold", "warm")
             }
@@ -335,7 +359,12 @@ def failed_checks(result: dict) -> list[str]:
         failed += [f"replay {i} {name}" for name, ok in replay.items() if not ok]
     if not checks["zero_rows_replay_zero"]:
         failed.append("a replay after a dummy step is not zeros")
-    failed += [f"{size}-token graph" for size, ok in checks["sizes"].items() if not ok]
+    failed += [f"{size}-token step's rows" for size, ok in checks["sizes"].items() if not ok]
+    failed += [
+        f"{size}-token step {'did not wait' if sync['expected'] else 'waited'} for the device"
+        for size, sync in checks["syncs"].items()
+        if sync["synced"] != sync["expected"]
+    ]
     if CUDA and not (result["staging_pinned"] and result["host_inputs_pinned"]):
         failed.append("host buffers not pinned")
     return failed
@@ -383,7 +412,7 @@ def main() -> int:
         for r in range(MAX_REQS):
             tokens = rng.integers(0, vocab, size=MAX_MODEL_LEN)
             tokens[rng.random(MAX_MODEL_LEN) < 0.05] = eos
-            runner.add(f"r{r}", tokens)
+            runner.add(f"r{r}", tokens, PROMPT_LEN)
         graphs = Graphs(layer, state, GRAPH_SIZES)
         result["checks"] = replay_checks(runner, graphs, stock, dtype)
         result["host_side"] = timings(runner, embedding, layer, graphs)

@@ -61,7 +61,14 @@ def assert_honest_checks(result: dict) -> None:
             "differs_from_previous": True,
         }
     assert checks["zero_rows_replay_zero"]
-    assert checks["sizes"] == {"1": True, "8": True, "16": True}
+    assert checks["sizes"] == {"1": True, "8": True, "16": True, "2048": True}
+    # decode tokens and MTP drafts come from the device (one wait); a prompt chunk never waits
+    assert checks["syncs"] == {
+        "1": {"synced": True, "expected": True},
+        "8": {"synced": True, "expected": True},
+        "16": {"synced": True, "expected": True},
+        "2048": {"synced": False, "expected": False},
+    }
     assert result["ok"] and result["failed"] == []
 
 
