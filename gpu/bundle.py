@@ -208,6 +208,37 @@ def target_wheels(requirements: list[str], target: Target) -> list[Path]:
     return [wheel for wheel in wheels.values() if wheel is not None]
 
 
+def runner_dists() -> dict[str, dict]:
+    """pytest and what it requires, from this interpreter (the gpu-marked tests run with it;
+    all pure Python): {name: {version, site, files, requires}}."""
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+
+    found: dict[str, dict] = {}
+    todo = ["pytest"]
+    while todo:
+        dist = importlib.metadata.distribution(todo.pop())
+        name = dist.metadata["Name"]
+        if name in found:
+            continue
+        requires = dist.requires or []
+        files = [str(f) for f in dist.files or [] if not str(f).startswith("..")]
+        if any(f.endswith((".so", ".pyd")) for f in files):
+            raise SystemExit(f"gpu-bundle: {name}, which pytest needs, is compiled here")
+        found[name] = {
+            "version": dist.version,
+            "site": Path(str(dist.locate_file(""))),
+            "files": files,
+            "requires": [r for r in requires if ";" not in r],
+        }
+        for text in requires:
+            requirement = Requirement(text)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(requirement.name)
+    return found
+
+
 def requirements_on(dists: dict[str, dict]) -> dict[str, list[list[str]]]:
     """{distribution: [[requirer, specifier], ...]}: what the imported distributions require
     of each other, unconditionally (for gpu/carried.py's choice of a machine's own copy)."""
@@ -256,11 +287,19 @@ def build(python: str, out: Path, target: Target) -> Path:
         dists = json.loads(dists_path.read_text())
         carry = plan(dists, target)
         site = site_packages(python)
+        # the gpu-marked tests' runner too, where the checks' own imports did not bring it
+        runner = {n: d for n, d in runner_dists().items() if normalized(n) not in
+                  {normalized(k) for k in dists}}  # fmt: skip
+        sources = {name: site for name in carry.copy}
+        sources.update({name: d["site"] for name, d in runner.items()})
+        dists.update(
+            {name: {k: v for k, v in d.items() if k != "site"} for name, d in runner.items()}
+        )
         carried: dict[str, dict] = {}
-        for name in carry.copy:
+        for name, source_site in sources.items():
             files = []
             for rel in dists[name]["files"]:
-                source = site / rel
+                source = source_site / rel
                 if source.is_file() and "__pycache__" not in rel:
                     (bundle / "site" / rel).parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy2(source, bundle / "site" / rel)
@@ -286,7 +325,8 @@ def build(python: str, out: Path, target: Target) -> Path:
     if size > MAX_BYTES:
         raise SystemExit(f"gpu-bundle: {out} is {size / MIB:.1f} MiB, above {MAX_BYTES // MIB}")
     print(
-        f"gpu-bundle: for {target.name}: {len(carry.copy)} pure-Python packages copied, "
+        f"gpu-bundle: for {target.name}: {len(carry.copy)} pure-Python packages copied (and "
+        f"the test runner: {' '.join(sorted(runner)) or 'none needed'}), "
         f"{len(carry.wheels)} wheels carried ({' '.join(carry.wheels)}), "
         f"{len(carry.needs) - len(carry.wheels)} compiled ones the machine's own"
     )

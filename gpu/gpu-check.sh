@@ -24,6 +24,17 @@ checks=(
     "host_split tests/vllm/gpu_host_split.py"
 )
 limit=${GPU_CHECK_TIMEOUT_S:-200}
+# Every test file with `gpu`-marked tests (tests/vllm/test_gpu_check.py checks this list), run
+# after the checks under CI's rules, and none may skip here (SPARKPLE_CUDA_REQUIRED). Only the
+# project's own plugin (tests/conftest.py) is loaded: a machine's other pytest plugins (say
+# pytest-xdist without its execnet) have nothing to do with them.
+export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+gpu_tests=(
+    tests/pkg/test_gpu.py
+    tests/runtime/test_worker.py
+    tests/vllm/test_gpu_check.py
+    tests/vllm/test_vllm_integration.py
+)
 
 device=cuda
 case "${1:-}" in
@@ -48,11 +59,13 @@ trap 'rm -rf "$work"' EXIT
 # the refusals first, before anything is extracted, downloaded or rendered
 "$python" gpu/preamble.py "$device" "$work/preamble.json" >/dev/null
 needs=()
+sources=""  # vLLM's Python sources, where it is not installed
 if [[ -d bundle/vllm-src ]]; then
     # the unpacked bundle: vLLM's sources, and the packages it carries that this machine
     # lacks (or has older, or incompatible), laid out for this Python (gpu/carried.py)
     "$python" gpu/carried.py bundle "$work/carried" "$out/carried.json"
-    vllm_path=$root/bundle/vllm-src:$work/carried
+    sources=$root/bundle/vllm-src
+    vllm_path=$sources:$work/carried
     rendered=${SPARKPLE_GPU_RENDERED:-$root/bundle/rendered}
     needs=(bundle/needs.json)
 elif [[ -n ${SPARKPLE_GPU_RENDERED:-} ]]; then
@@ -92,16 +105,32 @@ for check in "${checks[@]}"; do
     fi
     results+=("$name=$out/$name.json")
 done
-# the gpu-marked tests too, where PYTHON has pytest and an installed vLLM (the tests run
-# their scripts with it) and the machine's cache (SPARKPLE_CACHE) holds the wheel they read
-if [[ $device == cuda && ! -d bundle ]] \
-    && ls "${SPARKPLE_CACHE:-$HOME/.cache/sparkple}"/wheels/vllm-0.33.0-*.whl >/dev/null 2>&1 \
-    && env -u PYTHONPATH "$python" -c 'import pytest, vllm' >/dev/null 2>&1; then
-    echo "gpu-check: the gpu-marked tests"
-    SPARKPLE_VLLM_PYTHON=$python timeout "$limit" "$python" -m pytest -q -p no:cacheprovider \
-        -m gpu tests/vllm || failed=1
-else
-    echo "gpu-check: gpu-marked tests not run (they need pytest and vLLM installed in PYTHON)"
+# the gpu-marked tests, with vLLM's sources as the checks had them (the bundle carries pytest
+# where PYTHON lacks it); not in the serving image, whose vLLM files are the patched ones
+if [[ $device == cuda && -n $sources ]]; then
+    echo "gpu-check: the gpu-marked tests (${gpu_tests[*]})"
+    if ! CI=true SPARKPLE_CUDA_REQUIRED=1 SPARKPLE_VLLM_PYTHON=$python \
+        SPARKPLE_VLLM_SOURCES=$sources timeout "$limit" "$python" -m pytest -q \
+        -p no:cacheprovider -m gpu "${gpu_tests[@]}" >"$out/gpu-tests.log" 2>&1; then
+        failed=1
+    fi
+    tail -n 3 "$out/gpu-tests.log"
+    echo "gpu-check: the gpu-marked tests' output is in $out/gpu-tests.log"
+elif [[ -n $sources ]]; then
+    # the smoke mode: they are collected as they would run (pytest, the paths, the imports)
+    if collected=$(CI=true SPARKPLE_VLLM_PYTHON=$python SPARKPLE_VLLM_SOURCES=$sources \
+        "$python" -m pytest -q -p no:cacheprovider --collect-only -m gpu "${gpu_tests[@]}" \
+        2>&1); then
+        echo "gpu-check: the gpu-marked tests collect ($(tail -n 1 <<<"$collected")); they run" \
+            "where there is a GPU"
+    else
+        echo "$collected"
+        echo "gpu-check: the gpu-marked tests do not collect"
+        failed=1
+    fi
+elif [[ $device == cuda ]]; then
+    echo "gpu-check: gpu-marked tests not run in the serving image (its vLLM files are the" \
+        "patched ones): run make gpu-check or the bundle for them"
 fi
 "$python" gpu/report.py "$out" "$out/preamble.json" "${results[@]}" || failed=1
 exit "$failed"

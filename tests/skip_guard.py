@@ -3,7 +3,8 @@
 A test that skips because a part is missing (the vLLM wheel, torch, promtool, docker, a real
 disk) proves nothing, so in CI it must not pass as a skip. Under CI=true:
 - a skipped test fails, unless it is marked `gpu` and skipped with exactly `NO_CUDA` (CI has
-  no GPU; `make gpu-check` runs them where one is): `skip_without_cuda()` is that skip;
+  no GPU; `make gpu-check` runs them where one is): `skip_without_cuda()` is that skip; with
+  SPARKPLE_CUDA_REQUIRED=1 (the GPU check sets it) a gpu test's skip fails too;
 - an imperative `pytest.xfail(...)` fails (it passes without checking anything, like a skip),
   and so does an xfail-marked test that passes (strict or not: the mark is stale).
 Always: a collection warning (a test class pytest cannot collect, e.g. one with an __init__,
@@ -56,6 +57,13 @@ def fail(report: pytest.TestReport | pytest.CollectReport, message: str) -> None
 
 def refuse(report: pytest.TestReport | pytest.CollectReport, nodeid: str, gpu: bool) -> None:
     reason = skip_reason(report)
+    if gpu and cuda_required():
+        fail(
+            report,
+            f"{nodeid} is gpu-marked and was skipped in the GPU check ({reason}), which runs "
+            "only on a machine with a CUDA device: it checked nothing there",
+        )
+        return
     if gpu:
         fail(
             report,
@@ -73,8 +81,18 @@ def refuse(report: pytest.TestReport | pytest.CollectReport, nodeid: str, gpu: b
     )
 
 
+# Set by the GPU check (gpu/gpu-check.sh), which runs only where there is a CUDA device: a
+# gpu test that skips there, for want of one or not, has checked nothing.
+CUDA_REQUIRED_ENV = "SPARKPLE_CUDA_REQUIRED"
+
+
+def cuda_required() -> bool:
+    return os.environ.get(CUDA_REQUIRED_ENV, "") == "1"
+
+
 def may_skip(node: pytest.Item | pytest.Collector, report: Any) -> bool:
-    return node.get_closest_marker("gpu") is not None and skip_reason(report) == NO_CUDA
+    gpu_no_cuda = node.get_closest_marker("gpu") is not None and skip_reason(report) == NO_CUDA
+    return gpu_no_cuda and not cuda_required()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -39,6 +39,23 @@ ORIGINAL_PREFIXES = (
 )
 
 
+# vLLM's Python sources to use instead of the cached wheel's (the GPU check sets it: from its
+# bundle, offline, or the sources it extracted), a directory holding the `vllm` package.
+SOURCES_ENV = "SPARKPLE_VLLM_SOURCES"
+
+
+def given_sources() -> Path | None:
+    configured = os.environ.get(SOURCES_ENV, "").strip()
+    return Path(configured) if configured else None
+
+
+def pythonpath(*entries: Path | str) -> str:
+    """PYTHONPATH for a script that imports vLLM: entries, then this process's PYTHONPATH (in
+    the GPU check: vLLM's sources and the packages its bundle carries)."""
+    inherited = [e for e in os.environ.get("PYTHONPATH", "").split(":") if e]
+    return ":".join([*(str(e) for e in entries), *inherited])
+
+
 def cache_root() -> Path:
     """SPARKPLE_CACHE, or ~/.cache/sparkple (the same default as .ci/env)."""
     configured = os.environ.get("SPARKPLE_CACHE", "").strip()

@@ -222,6 +222,19 @@ def test_a_missing_part():
     refused = run(pytest_cmd("test_gpu_import.py"), proj, "true")
     assert refused.returncode == 1, refused.stdout + refused.stderr
     assert "for another reason than 'no CUDA device'" in refused.stdout, refused.stdout
+    # in the GPU check (a CUDA machine) not even that reason: the same tests fail
+    env_before = os.environ.get("SPARKPLE_CUDA_REQUIRED")
+    os.environ["SPARKPLE_CUDA_REQUIRED"] = "1"
+    try:
+        on_gpu = run(pytest_cmd("test_gpu_skips.py", "test_gpu_module.py"), proj, "true")
+    finally:
+        if env_before is None:
+            del os.environ["SPARKPLE_CUDA_REQUIRED"]
+        else:
+            os.environ["SPARKPLE_CUDA_REQUIRED"] = env_before
+    assert on_gpu.returncode == 1, on_gpu.stdout + on_gpu.stderr
+    assert "was skipped in the GPU check (no CUDA device)" in on_gpu.stdout, on_gpu.stdout
+    assert "3 skipped" not in on_gpu.stdout and "passed" not in on_gpu.stdout, on_gpu.stdout
 
 
 def test_an_unknown_mark_fails_with_the_project_options(tmp_path: Path) -> None:

@@ -20,8 +20,10 @@ import wheel_cache
 
 @pytest.fixture(scope="session")
 def vllm_originals() -> Path:
-    """The extracted `vllm` package directory (paths inside it as the profile names them)."""
-    return wheel_cache.vllm_originals()
+    """The extracted `vllm` package directory (paths inside it as the profile names them);
+    SPARKPLE_VLLM_SOURCES names others (the GPU check's, offline)."""
+    sources = wheel_cache.given_sources()
+    return sources / "vllm" if sources else wheel_cache.vllm_originals()
 
 
 @pytest.fixture(scope="session")

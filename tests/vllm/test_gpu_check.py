@@ -42,7 +42,7 @@ def run_graph_check(vllm_venv: Path, vllm_originals: Path, work: Path, device: s
     rendered = work / "rendered"
     patch.render("vllm-0.33", vllm_originals, rendered)
     out = work / "graph.json"
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{SCRIPT.parent}"}
+    env = {**os.environ, "PYTHONPATH": wheel_cache.pythonpath(REPO, SCRIPT.parent)}
     env.pop("SPARKPLE_PLE_TABLE_DIR", None)
     args = [str(vllm_venv), str(SCRIPT), device, str(rendered), str(out), f"{snapshot}={table}"]
     proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=work)
@@ -125,8 +125,12 @@ def test_graph_check_on_cuda(request: pytest.FixtureRequest, tmp_path: Path) -> 
     vllm_venv = request.getfixturevalue("vllm_venv")
     vllm_originals = request.getfixturevalue("vllm_originals")
     result, _ = run_graph_check(vllm_venv, vllm_originals, tmp_path, "cuda", vocab=60_000)
-    # an installed vLLM (vllm._C): stock vLLM's pinned-host lookup is the reference
-    assert result["stock_backend"] == "Qwen4ExpPLEPinnedHostEmbedding"
+    # an installed vLLM (vllm._C): stock vLLM's pinned-host lookup is the reference; vLLM's
+    # Python sources alone (the bundle's): its device backend, the same Triton lookup
+    sources_only = wheel_cache.given_sources() is not None
+    assert result["stock_backend"] == (
+        "Qwen4ExpPLEDeviceEmbedding" if sources_only else "Qwen4ExpPLEPinnedHostEmbedding"
+    )
     assert result["patched_backend"] == "Qwen4ExpPLEPackedTableEmbedding"
     assert result["staging_pinned"] and result["host_inputs_pinned"]
     assert_honest_checks(result)
@@ -150,6 +154,20 @@ def without_nvidia_smi(tmp_path: Path) -> dict[str, str]:
     if shutil.which("nvidia-smi"):
         pytest.skip("this machine has nvidia-smi")
     return {**os.environ, "GPU_CHECK_OUT": str(tmp_path / "out")}
+
+
+def test_gpu_check_runs_every_gpu_marked_test_file() -> None:
+    """gpu-check.sh's list of test files holds every file with a gpu-marked test (the skip
+    guard's own cases in tests/ci aside: they mark tests gpu to test the guard)."""
+    script = (REPO / "gpu" / "gpu-check.sh").read_text()
+    listed = re.search(r"^gpu_tests=\(\n(.*?)\n\)", script, re.S | re.M)
+    assert listed is not None
+    marked = {
+        str(path.relative_to(REPO))
+        for path in (REPO / "tests").rglob("test_*.py")
+        if "pytest.mark.gpu" in path.read_text() and path.parent.name != "ci"
+    }
+    assert set(listed.group(1).split()) == marked
 
 
 def test_gpu_check_without_a_gpu_exits_2_at_once(tmp_path: Path) -> None:
@@ -342,6 +360,9 @@ def test_bundle_runs_on_the_simulated_offline_gpu_machine(
     assert "vllm.platforms.cuda.CudaPlatform" in cuda_line
     assert "stopped at the first device call: Found no NVIDIA driver" in cuda_line
     assert "import smoke: vLLM platform CpuPlatform; CUDA platform module imports" in proc.stdout
+    # the gpu-marked tests collect there, with the pytest the bundle carries where need be
+    assert "gpu-check: the gpu-marked tests collect (" in proc.stdout
+    assert "tests collected" in proc.stdout
     # vLLM's w8a8 utils ask for CUTLASS block FP8 once as they import on the CUDA path
     assert log.read_text() == "answered cutlass_scaled_mm_supports_block_fp8(90)\n"
     summary = (out / "summary.txt").read_text().splitlines()

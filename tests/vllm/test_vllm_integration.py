@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import wheel_cache
 from skip_guard import skip_without_cuda
 
 from sparkple import patch
@@ -37,7 +38,11 @@ def run_equivalence(vllm_venv: Path, vllm_originals: Path, work: Path, device: s
     result_path = work / "result.json"
     # sparkple comes from this checkout, as the serving container's PYTHONPATH mount provides it
     # and the PLE counters go where the service mounts its stats directory
-    env = {**os.environ, "PYTHONPATH": str(REPO), "SPARKPLE_STATS_DIR": str(work / "stats")}
+    env = {
+        **os.environ,
+        "PYTHONPATH": wheel_cache.pythonpath(REPO),
+        "SPARKPLE_STATS_DIR": str(work / "stats"),
+    }
     env.pop("SPARKPLE_PLE_TABLE_DIR", None)
     args = [str(vllm_venv), str(SCRIPT), device, str(rendered), str(result_path), *cases]
     proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=work)
