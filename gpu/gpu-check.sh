@@ -2,8 +2,9 @@
 # The GPU check, one set of checks run three ways: `make gpu-check [PYTHON=...]` in a checkout,
 # `bash gpu-check.sh` inside the unpacked `make gpu-bundle` archive (offline), and inside the
 # serving image (playbooks/gpu_check.yml). In order: the preamble (what it runs on, or a
-# one-line refusal, exit 2), the import smoke test, then each check script; the figures go to
-# one JSON and a short text summary in $GPU_CHECK_OUT.
+# one-line refusal, exit 2), the torch tier (torch, triton and numpy only), the bundle's
+# packages laid out, the import smoke test, then each check script and the gpu-marked tests;
+# the figures go to one JSON and a short text summary in $GPU_CHECK_OUT.
 #   --cpu-smoke  the same on the CPU, small (any machine whose Python has torch; exit 0)
 # Environment: PYTHON (default python3), GPU_CHECK_OUT, SPARKPLE_GPU_RENDERED (rendered patch
 # files to use, as the serving image mounts them; default: rendered here or in the bundle).
@@ -58,6 +59,16 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # the refusals first, before anything is extracted, downloaded or rendered
 "$python" gpu/preamble.py "$device" "$work/preamble.json" >/dev/null
+failed=0
+# the project's own device code first, with torch, triton and numpy alone: its figures are
+# written even when the vLLM tier below cannot run (on the CPU, Triton's interpreter)
+echo "gpu-check: torch tier (gpu/torch_tier.py)"
+interpret=()
+if [[ $device == cpu ]]; then interpret=(TRITON_INTERPRET=1); fi
+if ! (cd "$work" && env "${interpret[@]}" PYTHONPATH="$root" timeout "$limit" "$python" \
+    "$root/gpu/torch_tier.py" "$device" "$out/torch.json"); then
+    failed=1
+fi
 needs=()
 sources=""  # vLLM's Python sources, where it is not installed
 if [[ -d bundle/vllm-src ]]; then
@@ -94,8 +105,7 @@ fi
 if [[ $device == cuda ]]; then size=(--vocab-base 500000 --files 4); else size=(--vocab-base 3000 --files 2); fi
 "$python" -m sparkple.cli synth-checkpoint "$work/snapshot" "${size[@]}" >/dev/null
 "$python" -m sparkple.cli build-table "$work/snapshot" "$work/table" --quiet
-failed=0
-results=()
+results=("torch=$out/torch.json")
 for check in "${checks[@]}"; do
     read -r name script <<<"$check"
     echo "gpu-check: $name ($script)"

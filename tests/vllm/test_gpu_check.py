@@ -367,6 +367,49 @@ def test_bundle_runs_on_the_simulated_offline_gpu_machine(
     assert log.read_text() == "answered cutlass_scaled_mm_supports_block_fp8(90)\n"
     summary = (out / "summary.txt").read_text().splitlines()
     assert summary[-1] == "gpu-check: every check passed"
+    torch_tier = report["checks"]["torch"]
+    assert torch_tier["ok"] and len(torch_tier["checks"]) == 12
+    assert summary[1].startswith("torch tier (cpu (smoke mode), torch 2.11.0")
+
+    # the same bundle on another Python (the test venv's 3.11): the torch tier runs first and
+    # writes its figures, then the carried wheels are refused by name (exit 2)
+    (out / "torch.json").unlink()
+    env["PYTHON"] = str(vllm_venv)
+    proc = subprocess.run(
+        ["unshare", "--net", "bash", "-c", offline], capture_output=True, text=True, env=env,
+        cwd=root,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "carries wheels for x86_64 Python 3.12 (h200-offline); this is x86_64 Python 3.11" in (
+        proc.stderr
+    )
+    assert json.loads((out / "torch.json").read_text())["ok"]
+
+
+def test_the_torch_tier_catches_a_decode_that_drops_the_sign_bit(vllm_venv: Path) -> None:
+    """The torch tier's decode check, run by Triton's interpreter, passes the real kernel and
+    fails one that reads every code's sign bit as 0 (the old host-split comparison drew bytes
+    below 0x7E: no odd element was ever negative there)."""
+    snippet = (
+        "import json, sys, torch\n"
+        "sys.path.insert(0, 'gpu')\n"
+        "import torch_tier\n"
+        "from sparkple.runtime.nvfp4_triton import decode_packed_rows\n"
+        "def no_sign(packed, quant, head_dim, *rest):\n"
+        "    codes = packed.clone()\n"
+        "    codes[..., : head_dim // 2] &= 0x77\n"
+        "    return decode_packed_rows(codes, quant, head_dim, *rest)\n"
+        "cpu = torch.device('cpu')\n"
+        "print(json.dumps([torch_tier.check_nvfp4(cpu), torch_tier.check_nvfp4(cpu, no_sign)]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [str(vllm_venv), "-c", snippet], capture_output=True, text=True, env=env, cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    real, planted = json.loads(proc.stdout.splitlines()[-1])
+    assert set(real) == set(planted) and len(real) == 4
+    assert all(real.values()) and not any(planted.values())
 
 
 def carried_module():
