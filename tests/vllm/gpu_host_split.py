@@ -4,16 +4,20 @@ Usage: python gpu_host_split.py {cuda|cpu|--cpu-smoke} RENDERED_DIR RESULT_JSON 
 
 Runs in the vLLM venv with the rendered patch laid over the package, as ple_equivalence.py does.
 On a GPU (DEVICE cuda): per step shape (a prompt chunk alone, decode steps with MTP drafts, a
-chunk beside decoding requests) the host step's seconds before the device sync, waiting for it
-and after it (the patch's HostStep.last_times), median of repeats; then the forward's fused
+chunk beside decoding requests), once on a device kept busy long enough to see whether the host
+step waited for it (the stream is idle when it returns, or still busy) and with its rows
+against stock vLLM's, then the host step's seconds before the device sync, waiting for it and
+after it (the patch's HostStep.last_times), median of repeats, each on a device kept busy for
+a forward's worth first (BUSY_MS); then the forward's fused
 Triton decode against the torch decode of the same device buffer, every byte value drawn (sign
 bits and NaN scales too; median microseconds, and whether every value is the same, NaN as NaN).
 Writes one JSON object, with `ok` and the `summary` lines that gpu/gpu-check.sh reports, and
 exits 1 when `ok` is false.
 
 cpu (or --cpu-smoke) builds everything up to the first CUDA call (the patched layer, vLLM's
-model state, the runner's request state, the step shapes, one host step each on CPU) and writes
-what it built: make test runs it, so the GPU run cannot fail on set-up code nobody ran.
+model state, the runner's request state, the step shapes, one host step each on CPU, its wait
+observed through the host step's wait hook, its rows against stock's) and writes what it
+built: make test runs it, so the GPU run cannot fail on set-up code nobody ran.
 """
 
 from __future__ import annotations
@@ -53,6 +57,62 @@ def add_requests(runner: eq.Runner, vocab: int, eos: int) -> None:
     runner.add("p", eq.request_tokens(vocab, eos, seed=9, length=900), 900)
 
 
+# How long the device stays busy before a timed step (a forward's worth), and before the step
+# whose sync is observed (long enough that a host step that does not wait returns first).
+BUSY_MS, OBSERVE_BUSY_MS = 5.0, 200.0
+
+
+class DeviceWait:
+    """Whether a host step waited for the device, seen from outside the host step.
+
+    On CUDA the stream is kept busy (a sleep kernel) before the step: a step that synced
+    returns to an idle stream, one that did not returns while the kernel still runs. On the
+    CPU, where nothing runs on a stream, the host step's wait is a hook that counts its calls.
+    """
+
+    def __init__(self, host) -> None:
+        self.host = host
+        self.cycles_per_ms = calibrate() if eq.DEVICE.type == "cuda" else 0.0
+        self.calls = 0
+        if eq.DEVICE.type != "cuda":
+            host.wait_for_device = self._count
+
+    def _count(self) -> None:
+        self.calls += 1
+
+    def busy(self, ms: float) -> None:
+        if self.cycles_per_ms:
+            torch.cuda._sleep(int(ms * self.cycles_per_ms))
+
+    def step(self, run, busy_ms: float) -> tuple[object, bool]:
+        """run() on a busy device; (its result, whether it waited for the device)."""
+        calls = self.calls
+        self.busy(busy_ms)
+        out = run()
+        if self.cycles_per_ms:
+            waited = torch.cuda.current_stream().query()
+            torch.cuda.synchronize()
+            return out, waited
+        return out, self.calls > calls
+
+
+def calibrate() -> float:
+    """Sleep-kernel cycles per millisecond on this GPU."""
+    torch.cuda._sleep(1_000_000)  # the kernel loaded before it is timed
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    torch.cuda._sleep(10_000_000)
+    torch.cuda.synchronize()
+    return 10_000_000 / ((time.perf_counter() - started) * 1e3)
+
+
+def reference_rows(stock, input_ids, qsl, ctx, dtype) -> torch.Tensor:
+    """Stock vLLM's rows of the step (on the CPU in its CUDA kernel's order of scales)."""
+    if eq.DEVICE.type == "cuda":
+        return eq.forward(stock, input_ids, qsl, ctx)
+    return eq.kernel_order_step(stock, input_ids, qsl, ctx).to(dtype)
+
+
 def main() -> int:
     rendered, result_path = Path(sys.argv[2]), Path(sys.argv[3])
     snapshot, table_dir = (Path(p) for p in sys.argv[4].split("=", 1))
@@ -62,34 +122,51 @@ def main() -> int:
     config = Qwen4ExpTextConfig(**raw["text_config"])
     vocab, eos = int(config.vocab_size), int(config.eos_token_id)
     prefix = f"model.language_model.layers.{eq.PLE_DECODER_LAYER}.ple.ple_embedding."
+    dtype = torch.bfloat16
     eq.seed_loader_filter(rendered)
     result: dict = {"device": eq.DEVICE.type, "steps": {}}
     with tempfile.TemporaryDirectory() as work, eq.vllm_context(Path(work)):
-        importlib.import_module(eq.NGRAM_MODULE)
+        stock_module = importlib.import_module(eq.NGRAM_MODULE)
         patched, state_module = eq.patched_modules(rendered)
         import os
 
+        os.environ.pop("SPARKPLE_PLE_TABLE_DIR", None)  # stock vLLM's own backend
+        stock, _ = eq.build(stock_module, config, snapshot, prefix, dtype)
+        result["stock_backend"] = type(stock.ngram_embedding).__name__
         os.environ["SPARKPLE_PLE_TABLE_DIR"] = str(table_dir)
-        layer, _ = eq.build(patched, config, snapshot, prefix, torch.bfloat16)
+        layer, _ = eq.build(patched, config, snapshot, prefix, dtype)
         model = torch.nn.ModuleList([layer])
         state = eq.model_state(state_module, model, config)
         host = importlib.import_module(
             "vllm.models.qwen4_exp.common.ple_mmap_embedding"
         ).host_step_of(model)
+        device = DeviceWait(host)
         for name, scheduled, drafts in SHAPES:
-            times = []
-            for _ in range(REPEATS):
+            times, waited, right = [], [], []
+            for repeat in range(REPEATS + 1):
                 runner = eq.Runner(state)
                 add_requests(runner, vocab, eos)
-                runner.step(scheduled, drafts=drafts)
-                times.append(host.last_times)
+                observe = repeat == 0  # the first on a long-busy device, then the timed ones
+                (input_ids, qsl, ctx, real), synced = device.step(
+                    lambda: runner.step(scheduled, drafts=drafts),  # noqa: B023
+                    OBSERVE_BUSY_MS if observe else BUSY_MS,
+                )
+                if observe:
+                    waited.append(synced)
+                    ours = eq.forward(layer, input_ids, qsl, ctx)[:real]
+                    theirs = reference_rows(stock, input_ids, qsl, ctx, dtype)[:real]
+                    right.append(bool(torch.equal(ours, theirs) and ours.abs().sum() > 0))
+                else:
+                    times.append(host.last_times)
                 for req_id in list(runner.req_id_to_index):
                     runner.remove(req_id)
             result["steps"][name] = {
                 "before_sync_us": statistics.median(t[0] for t in times) * 1e6,
                 "sync_wait_us": statistics.median(t[1] for t in times) * 1e6,
                 "after_sync_us": statistics.median(t[2] for t in times) * 1e6,
-                "synced": host.last_synced,
+                "waited_for_the_device": waited[0],
+                "rows_equal_stock": right[0],
+                "device_busy_ms": BUSY_MS if eq.DEVICE.type == "cuda" else 0.0,
             }
         emb = layer.ngram_embedding
         if not SMOKE:
@@ -100,16 +177,25 @@ def main() -> int:
     return 0 if result["ok"] else 1
 
 
+# Whether each shape must wait for the device: a prompt chunk alone never; a step with
+# decode tokens or drafts once.
+WAITS = {"prompt chunk": False, "decode, MTP 3": True, "chunk beside decodes": True}
+
+
 def verdict(result: dict) -> tuple[bool, list[str]]:
-    """A prompt chunk alone must not wait for the device; the fused decode must equal torch's."""
+    """Each shape waits for the device as WAITS says (as observed) and its rows equal stock's;
+    the fused decode equals the torch decode."""
     steps = result["steps"]
-    ok = not steps["prompt chunk"]["synced"] and all(
-        steps[name]["synced"] for name in ("decode, MTP 3", "chunk beside decodes")
+    ok = all(
+        s["waited_for_the_device"] == WAITS[name] and s["rows_equal_stock"]
+        for name, s in steps.items()
     )
     lines = [
         f"host split, {name}: {s['before_sync_us']:.0f} us before the sync, "
         f"{s['sync_wait_us']:.0f} us waiting, {s['after_sync_us']:.0f} us after"
-        + ("" if s["synced"] else " (no sync)")
+        + ("" if s["waited_for_the_device"] else " (no sync)")
+        + ("" if s["waited_for_the_device"] == WAITS[name] else " WRONG WAIT")
+        + ("" if s["rows_equal_stock"] else " WRONG ROWS")
         for name, s in steps.items()
     ]
     decode = result.get("decode")

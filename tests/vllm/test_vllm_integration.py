@@ -350,7 +350,8 @@ def test_gpu_host_split_check_builds_on_cpu(
     vllm_venv: Path, vllm_originals: Path, tmp_path: Path
 ) -> None:
     """gpu_host_split.py (run on a GPU by make gpu-check) up to its first CUDA call: the step
-    shapes run through vLLM's model state; a prompt chunk alone does not sync, the others do."""
+    shapes run through vLLM's model state; a prompt chunk alone does not wait for the device,
+    the others do, and every shape's rows equal stock's."""
     snapshot = synth_checkpoint(tmp_path / "snapshot", quant="nvfp4", vocab_base=2_000, files=2)
     table = tmp_path / "table"
     build_table(snapshot, table, quiet=True)
@@ -370,7 +371,11 @@ def test_gpu_host_split_check_builds_on_cpu(
     assert result["ok"], result["summary"]
     steps = result["steps"]
     assert list(steps) == ["prompt chunk", "decode, MTP 3", "chunk beside decodes"]
-    assert not steps["prompt chunk"]["synced"]
-    assert steps["decode, MTP 3"]["synced"] and steps["chunk beside decodes"]["synced"]
+    # whether the host step waited for the device, seen through its wait (not from the
+    # step's input), and each shape's rows against stock vLLM's
+    assert not steps["prompt chunk"]["waited_for_the_device"]
+    assert steps["decode, MTP 3"]["waited_for_the_device"]
+    assert steps["chunk beside decodes"]["waited_for_the_device"]
     for seen in steps.values():
+        assert seen["rows_equal_stock"]
         assert seen["before_sync_us"] > 0 and seen["after_sync_us"] >= 0
