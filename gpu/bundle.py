@@ -18,7 +18,7 @@ bundle's), and needs.json: every compiled package the checks import, carried or 
 machine's own.
 
 A target is a file in gpu/targets/ (by name: the machine's architecture, Python and glibc,
-and what its image has) or ARCH-pyX.Y (a machine with only torch and triton).
+and what its image has) or ARCH-pyX.Y (a machine with only torch, triton and numpy).
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ class Target:
 
     @classmethod
     def named(cls, spec: str) -> Target:
-        """gpu/targets/SPEC.toml, or ARCH-pyX.Y (only torch and triton on the machine, a glibc
-        of at least 2.35: Ubuntu 22.04; DGX OS, Ubuntu 24.04, has 2.39)."""
+        """gpu/targets/SPEC.toml, or ARCH-pyX.Y: a machine with only what the check cannot do
+        without (CUDA torch with what it requires, triton, numpy) and a glibc of at least 2.35
+        (Ubuntu 22.04; DGX OS, Ubuntu 24.04, has 2.39)."""
         path = TARGETS / f"{spec}.toml"
         if path.is_file():
             data = tomllib.loads(path.read_text())
@@ -99,7 +100,7 @@ class Target:
                 "or ARCH-pyX.Y with ARCH x86_64 or aarch64, e.g. aarch64-py3.12"
             )
         arch, python = match.groups()
-        return cls(spec, arch, python, "2.35", frozenset({"torch", "triton"}))
+        return cls(spec, arch, python, "2.35", frozenset({"torch", "triton", "numpy"}))
 
     def pip_args(self) -> list[str]:
         """pip download's selection of this target's wheels: its CPython, and every manylinux

@@ -68,9 +68,16 @@ def normalized(name: str) -> str:
 
 
 def requirement_names(dist: str) -> list[str]:
-    """The distributions `dist` requires unconditionally (no environment marker)."""
-    reqs = importlib.metadata.requires(dist) or []
-    return [normalized(re.split(r"[\s;<>=!~\[(]", r, maxsplit=1)[0]) for r in reqs if ";" not in r]
+    """The distributions `dist` requires here: with no environment marker, or one this Python
+    meets (CUDA torch requires cuda-bindings on Linux), extras aside."""
+    from packaging.requirements import Requirement
+
+    names = []
+    for text in importlib.metadata.requires(dist) or []:
+        requirement = Requirement(text)
+        if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+            names.append(normalized(requirement.name))
+    return names
 
 
 def closure(dist: str) -> set[str]:
