@@ -18,13 +18,21 @@ if [[ -d $here/sparkple ]]; then root=$here; else root=$(dirname "$here"); fi
 cd "$root"
 
 # The checks: NAME SCRIPT, each run as SCRIPT {cuda|cpu} RENDERED RESULT_JSON SNAPSHOT=TABLE,
-# exit 0 when its checks pass; one more check is one more line. Each (and the gpu-marked
-# tests) is stopped after GPU_CHECK_TIMEOUT_S (default 200), so a run stays within 8 minutes.
+# exit 0 when its checks pass; one more check is one more line. Each step (the torch tier, each
+# check, the gpu-marked tests) is stopped after GPU_CHECK_TIMEOUT_S (default 200 s).
 checks=(
     "graph tests/vllm/gpu_graph_check.py"
     "host_split tests/vllm/gpu_host_split.py"
 )
 limit=${GPU_CHECK_TIMEOUT_S:-200}
+# On a GPU the whole run ends within GPU_CHECK_BUDGET_S (default 450 s: under 8 minutes with
+# the report), each step stopped at what is left of it (the budget is set below).
+bound() { # seconds the next step may take: its limit, or what is left of the budget
+    local left=$((budget - SECONDS))
+    ((left < limit)) || left=$limit
+    ((left > 0)) || left=1
+    echo "$left"
+}
 # Every test file with `gpu`-marked tests (tests/vllm/test_gpu_check.py checks this list), run
 # after the checks under CI's rules, and none may skip here (SPARKPLE_CUDA_REQUIRED). Only the
 # project's own plugin (tests/conftest.py) is loaded: a machine's other pytest plugins (say
@@ -43,6 +51,7 @@ case "${1:-}" in
     --cpu-smoke) device=cpu ;;
     *) echo "usage: $0 [--cpu-smoke]" >&2; exit 2 ;;
 esac
+if [[ $device == cuda ]]; then budget=${GPU_CHECK_BUDGET_S:-450}; else budget=3600; fi
 if [[ $device == cuda ]] && ! nvidia-smi -L >/dev/null 2>&1; then
     echo "gpu-check: no NVIDIA GPU here (nvidia-smi -L failed): run it on a machine with one" >&2
     exit 2
@@ -65,7 +74,7 @@ failed=0
 echo "gpu-check: torch tier (gpu/torch_tier.py)"
 interpret=()
 if [[ $device == cpu ]]; then interpret=(TRITON_INTERPRET=1); fi
-if ! (cd "$work" && env "${interpret[@]}" PYTHONPATH="$root" timeout "$limit" "$python" \
+if ! (cd "$work" && env "${interpret[@]}" PYTHONPATH="$root" timeout "$(bound)" "$python" \
     "$root/gpu/torch_tier.py" "$device" "$out/torch.json"); then
     failed=1
 fi
@@ -109,7 +118,7 @@ results=("torch=$out/torch.json")
 for check in "${checks[@]}"; do
     read -r name script <<<"$check"
     echo "gpu-check: $name ($script)"
-    if ! (cd "$work" && env -u SPARKPLE_PLE_TABLE_DIR timeout "$limit" "$python" "$root/$script" \
+    if ! (cd "$work" && env -u SPARKPLE_PLE_TABLE_DIR timeout "$(bound)" "$python" "$root/$script" \
         "$device" "$rendered" "$out/$name.json" "$work/snapshot=$work/table"); then
         failed=1
     fi
@@ -120,7 +129,7 @@ done
 if [[ $device == cuda && -n $sources ]]; then
     echo "gpu-check: the gpu-marked tests (${gpu_tests[*]})"
     if ! CI=true SPARKPLE_CUDA_REQUIRED=1 SPARKPLE_VLLM_PYTHON=$python \
-        SPARKPLE_VLLM_SOURCES=$sources timeout "$limit" "$python" -m pytest -q \
+        SPARKPLE_VLLM_SOURCES=$sources timeout "$(bound)" "$python" -m pytest -q \
         -p no:cacheprovider -m gpu "${gpu_tests[@]}" >"$out/gpu-tests.log" 2>&1; then
         failed=1
     fi
