@@ -11,7 +11,8 @@ Usage: python load_checks.py cpu RENDERED_DIR RESULT_JSON SNAPSHOT=TABLE [SNAPSH
 3. Row-shard bytes per strategy: the first snapshot's files are evicted from the page cache,
    vLLM's own safetensors iterator (the loader's path for safetensors) runs with the patched
    per-name skip, and the pages of the row-shard tensors that are then cached are counted
-   (mincore), with the row-shard tensors the iterator handed out.
+   (mincore), with the row-shard tensors the iterator handed out and the bytes the process
+   read with read() calls.
 """
 
 from __future__ import annotations
@@ -186,6 +187,7 @@ def row_shard_bytes_read(snapshot: Path, table: Path, strategy: str) -> dict:
         maps.append((path, fd, mapped))
     threads = set(threading.enumerate())
     handed_out = 0
+    read_before = read_call_bytes()
     os.environ["SPARKPLE_PLE_TABLE_DIR"] = str(table)
     try:
         for name, tensor in safetensors_weights_iterator([str(p) for p in files], False, strategy):
@@ -203,6 +205,7 @@ def row_shard_bytes_read(snapshot: Path, table: Path, strategy: str) -> dict:
                 break
             except RuntimeError:
                 time.sleep(0.01)
+    read_calls = read_call_bytes() - read_before
     figures = dict.fromkeys(("row_shard", "cached", "beyond_readahead", "cached_beyond"), 0)
     reach = 2 * max(read_ahead_bytes(path) for path in files)
     for path, fd, mapped in maps:
@@ -223,7 +226,18 @@ def row_shard_bytes_read(snapshot: Path, table: Path, strategy: str) -> dict:
         "read_ahead_bytes": reach // 2,
         **{f"{key}_bytes": value for key, value in figures.items()},
         "handed_out_bytes": handed_out,
+        "read_call_bytes": read_calls,
+        "file_bytes": sum(path.stat().st_size for path in files),
     }
+
+
+def read_call_bytes() -> int:
+    """Bytes this process (all its threads) has read with read() calls (/proc/self/io rchar):
+    the kernel's own accounting, whatever the page cache keeps afterwards."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise RuntimeError("/proc/self/io has no rchar line")
 
 
 def main() -> None:
