@@ -36,6 +36,9 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 from wheel_cache import (  # noqa: E402
@@ -68,10 +71,6 @@ NOT_CARRIED = {
 }
 
 
-def normalized(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 @dataclass(frozen=True)
 class Target:
     """The machine a bundle is for: what pip downloads wheels for, and what it already has."""
@@ -80,7 +79,7 @@ class Target:
     arch: str
     python: str
     glibc: str
-    has: frozenset[str]  # normalized distribution names
+    has: frozenset[str]  # canonical distribution names
 
     @classmethod
     def named(cls, spec: str) -> Target:
@@ -90,7 +89,7 @@ class Target:
         path = TARGETS / f"{spec}.toml"
         if path.is_file():
             data = tomllib.loads(path.read_text())
-            has = {normalized(re.split(r"[=<>!~ ]", r, maxsplit=1)[0]) for r in data["has"]}
+            has = {canonicalize_name(Requirement(r).name) for r in data["has"]}
             return cls(spec, data["arch"], data["python"], data["glibc"], frozenset(has))
         match = re.fullmatch(r"(x86_64|aarch64)-py(3\.\d+)", spec)
         if match is None:
@@ -162,10 +161,10 @@ def plan(dists: dict[str, dict], target: Target) -> Plan:
     """Pure packages are copied; compiled ones (and pure ones that pin a compiled one, as
     pydantic pins pydantic-core: a copy would not match the machine's compiled half) are
     carried as the target's wheels unless the target has them or they cannot be carried."""
-    compiled = {normalized(name) for name, d in dists.items() if d["compiled"]}
+    compiled = {canonicalize_name(name) for name, d in dists.items() if d["compiled"]}
     result = Plan([], [], {})
     for name, dist in sorted(dists.items()):
-        key = normalized(name)
+        key = canonicalize_name(name)
         if dist["with_torch"] or key in WITH_TORCH:
             continue
         if not (dist["compiled"] or compiled & set(dist["pins"])):
@@ -187,7 +186,7 @@ def wheel_for(directory: Path, requirement: str) -> Path | None:
     name, version = requirement.split("==")
     for wheel in sorted(directory.glob("*.whl")):
         wheel_name, wheel_version = wheel.name.split("-")[:2]
-        if normalized(wheel_name) == normalized(name) and wheel_version == version:
+        if canonicalize_name(wheel_name) == canonicalize_name(name) and wheel_version == version:
             return wheel
     return None
 
@@ -213,8 +212,6 @@ def runner_dists() -> dict[str, dict]:
     """pytest and what it requires, from this interpreter (the gpu-marked tests run with it;
     all pure Python): {name: {version, site, files, requires}}."""
     import importlib.metadata
-
-    from packaging.requirements import Requirement
 
     found: dict[str, dict] = {}
     todo = ["pytest"]
@@ -243,15 +240,13 @@ def runner_dists() -> dict[str, dict]:
 def requirements_on(dists: dict[str, dict]) -> dict[str, list[list[str]]]:
     """{distribution: [[requirer, specifier], ...]}: what the imported distributions require
     of each other, unconditionally (for gpu/carried.py's choice of a machine's own copy)."""
-    from packaging.requirements import Requirement
-
     found: dict[str, list[list[str]]] = {}
     for requirer, dist in sorted(dists.items()):
         for text in dist["requires"]:
             requirement = Requirement(text)
             if requirement.marker is None and str(requirement.specifier):
                 entry = [requirer, str(requirement.specifier)]
-                found.setdefault(normalized(requirement.name), []).append(entry)
+                found.setdefault(canonicalize_name(requirement.name), []).append(entry)
     return found
 
 
@@ -289,15 +284,15 @@ def build(python: str, out: Path, target: Target) -> Path:
         carry = plan(dists, target)
         site = site_packages(python)
         # the gpu-marked tests' runner too, where the checks' own imports did not bring it
-        runner = {n: d for n, d in runner_dists().items() if normalized(n) not in
-                  {normalized(k) for k in dists}}  # fmt: skip
-        sources = {name: site for name in carry.copy}
-        sources.update({name: d["site"] for name, d in runner.items()})
+        imported = {canonicalize_name(k) for k in dists}
+        runner = {n: d for n, d in runner_dists().items() if canonicalize_name(n) not in imported}
+        copy_from = {name: site for name in carry.copy}
+        copy_from.update({name: d["site"] for name, d in runner.items()})
         dists.update(
             {name: {k: v for k, v in d.items() if k != "site"} for name, d in runner.items()}
         )
         carried: dict[str, dict] = {}
-        for name, source_site in sources.items():
+        for name, source_site in copy_from.items():
             files = []
             for rel in dists[name]["files"]:
                 source = source_site / rel
@@ -315,7 +310,7 @@ def build(python: str, out: Path, target: Target) -> Path:
             carried[name] = {"version": version, "wheel": f"wheels/{wheel.name}"}
         requires = requirements_on(dists)
         for name, entry in carried.items():
-            entry["requires"] = requires.get(normalized(name), [])
+            entry["requires"] = requires.get(canonicalize_name(name), [])
         manifest = {"target": target.describe(), "packages": carried}
         (bundle / "carried.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
         (bundle / "needs.json").write_text(json.dumps(carry.needs, indent=2, sort_keys=True))

@@ -21,16 +21,11 @@ import importlib.metadata
 import json
 import os
 import platform
-import re
 import sys
 import zipfile
 from pathlib import Path
 
 EXIT_USAGE = 2
-
-
-def normalized(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def machine_versions(names: list[str]) -> dict[str, str]:
@@ -49,6 +44,7 @@ def choose(packages: dict[str, dict], machine: dict[str, str], requires_of) -> d
     Python's own copy of name requires (a machine copy kept must find what it pins).
     """
     from packaging.specifiers import SpecifierSet
+    from packaging.utils import canonicalize_name
     from packaging.version import Version
 
     def meets(version: str, requirements: list[list[str]]) -> list[str]:
@@ -77,12 +73,12 @@ def choose(packages: dict[str, dict], machine: dict[str, str], requires_of) -> d
     changed = True
     while changed:
         changed = False
-        versions = {normalized(n): c["version"] for n, c in chosen.items()}
+        versions = {canonicalize_name(n): c["version"] for n, c in chosen.items()}
         for name, choice in chosen.items():
             if choice["used"] != "machine":
                 continue
             for dependency, spec in requires_of(name).items():
-                used = versions.get(normalized(dependency))
+                used = versions.get(canonicalize_name(dependency))
                 if used is not None and not SpecifierSet(spec).contains(used, prereleases=True):
                     carried = packages[name]["version"]
                     why = f"this machine's copy needs {dependency}{spec}, and {used} is used"
@@ -94,13 +90,13 @@ def choose(packages: dict[str, dict], machine: dict[str, str], requires_of) -> d
 
 def machine_requires(name: str) -> dict[str, str]:
     """{dependency: specifier} this Python's own copy of name requires, unconditionally."""
+    from packaging.requirements import Requirement
+
     found = {}
     for text in importlib.metadata.requires(name) or []:
-        if ";" in text:
-            continue
-        match = re.match(r"\s*([A-Za-z0-9_.-]+)\s*(?:\[[^]]*\])?\s*\(?([^)]*)\)?", text)
-        if match and match.group(2).strip():
-            found[match.group(1)] = match.group(2).strip()
+        requirement = Requirement(text)
+        if requirement.marker is None and str(requirement.specifier):
+            found[requirement.name] = str(requirement.specifier)
     return found
 
 

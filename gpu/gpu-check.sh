@@ -126,20 +126,19 @@ for check in "${checks[@]}"; do
 done
 # the gpu-marked tests, with vLLM's sources as the checks had them (the bundle carries pytest
 # where PYTHON lacks it); not in the serving image, whose vLLM files are the patched ones
+gpu_pytest=(env CI=true SPARKPLE_VLLM_PYTHON="$python" SPARKPLE_VLLM_SOURCES="$sources"
+    "$python" -m pytest -q -p no:cacheprovider -m gpu "${gpu_tests[@]}")
 if [[ $device == cuda && -n $sources ]]; then
     echo "gpu-check: the gpu-marked tests (${gpu_tests[*]})"
-    if ! CI=true SPARKPLE_CUDA_REQUIRED=1 SPARKPLE_VLLM_PYTHON=$python \
-        SPARKPLE_VLLM_SOURCES=$sources timeout "$(bound)" "$python" -m pytest -q \
-        -p no:cacheprovider -m gpu "${gpu_tests[@]}" >"$out/gpu-tests.log" 2>&1; then
+    if ! SPARKPLE_CUDA_REQUIRED=1 timeout "$(bound)" "${gpu_pytest[@]}" \
+        >"$out/gpu-tests.log" 2>&1; then
         failed=1
     fi
     tail -n 3 "$out/gpu-tests.log"
     echo "gpu-check: the gpu-marked tests' output is in $out/gpu-tests.log"
 elif [[ -n $sources ]]; then
     # the smoke mode: they are collected as they would run (pytest, the paths, the imports)
-    if collected=$(CI=true SPARKPLE_VLLM_PYTHON=$python SPARKPLE_VLLM_SOURCES=$sources \
-        "$python" -m pytest -q -p no:cacheprovider --collect-only -m gpu "${gpu_tests[@]}" \
-        2>&1); then
+    if collected=$("${gpu_pytest[@]}" --collect-only 2>&1); then
         echo "gpu-check: the gpu-marked tests collect ($(tail -n 1 <<<"$collected")); they run" \
             "where there is a GPU"
     else

@@ -180,22 +180,20 @@ def with_cuda_path(rendered: Path, dists_path: Path | None) -> str | None:
     when it failed (its error printed)."""
     import os
     import subprocess
-    import tempfile
 
     # vLLM's CUDA detection as on a GPU machine (no CPU target), and no device visible:
     # vllm/triton_utils/importing.py then keeps Triton (it allows 0 active drivers where
     # CUDA_VISIBLE_DEVICES is empty), so its kernels' modules import as on the GPU
     env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
     env["CUDA_VISIBLE_DEVICES"] = ""
-    with tempfile.TemporaryDirectory() as tmp:
-        child_dists = Path(tmp) / "dists.json"
-        cmd = [sys.executable, __file__, "cuda-path", str(rendered), str(child_dists)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if proc.returncode:
-            print(f"import smoke: the CUDA path's imports failed:\n{proc.stderr}", file=sys.stderr)
-            return None
-        if dists_path is not None:
-            dists_path.write_text(child_dists.read_text())
+    cmd = [sys.executable, __file__, "cuda-path", str(rendered)]
+    if dists_path is not None:
+        dists_path.unlink(missing_ok=True)  # the child's are the first written there
+        cmd.append(str(dists_path))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        print(f"import smoke: the CUDA path's imports failed:\n{proc.stderr}", file=sys.stderr)
+        return None
     return proc.stdout.strip()
 
 

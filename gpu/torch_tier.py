@@ -92,11 +92,13 @@ def check_fp8(device: torch.device, decode: Decode = decode_packed_rows) -> dict
 
 
 def check_row_ids(device: torch.device) -> dict[str, bool]:
+    """row_ids_torch on the device against numpy's row_ids: 32,768 tokens of the real
+    geometry in four requests, 200 of them EOS (tests/pkg/test_gpu.py runs it as a test)."""
     geometry = PLEGeometry.from_config(make_config(vocab_base=20_000_000))
     rng = np.random.default_rng(0)
-    ids = rng.integers(0, geometry.vocab_size, size=4096)
-    ids[rng.integers(0, ids.size, size=64)] = geometry.eos_token_id
-    qsl = np.array([0, 5, 1000, 4000, 4096])
+    ids = rng.integers(0, geometry.vocab_size, size=32_768)
+    ids[rng.integers(0, ids.size, size=200)] = geometry.eos_token_id
+    qsl = np.array([0, 5, 2048, 30_000, 32_768])
     ctx = rng.integers(0, geometry.vocab_size, size=(4, 2))
     got = row_ids_torch(*(torch.from_numpy(a).to(device) for a in (ids, qsl, ctx)), geometry)
     want = row_ids(ids, qsl, ctx, geometry)

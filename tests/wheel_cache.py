@@ -207,7 +207,9 @@ def machine_venv(target: Path) -> Path:
 
     spec = tomllib.loads(target.read_text())
     python = python_of(spec["python"])
-    torch_first = [r for r in spec["has"] if re.split(r"[=<>!~ ]", r)[0] in ("torch", "triton")]
+    from packaging.requirements import Requirement
+
+    torch_first = [r for r in spec["has"] if Requirement(r).name in ("torch", "triton")]
     rest = [r for r in spec["has"] if r not in torch_first]
     recipe = "torch and triton with their requirements, then the rest --no-deps"
     inputs = (target.name, target.read_text(), str(python), recipe)

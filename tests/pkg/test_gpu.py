@@ -6,14 +6,16 @@ tests/skip_guard.py fails under CI=true.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 from skip_guard import NO_CUDA
 
-from sparkple.builder.synth import make_config
-from sparkple.geometry import PLEGeometry
-from sparkple.runtime.ngram import row_ids, row_ids_torch
 from sparkple.runtime.nvfp4 import dequantize_rows, dequantize_rows_torch
+
+REPO = Path(__file__).resolve().parents[2]
 
 torch = pytest.importorskip("torch")
 pytestmark = [
@@ -23,15 +25,11 @@ pytestmark = [
 
 
 def test_row_ids_on_cuda_equal_numpy():
-    g = PLEGeometry.from_config(make_config(vocab_base=20_000_000))
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, g.vocab_size, size=32_768)
-    ids[rng.integers(0, ids.size, size=200)] = g.eos_token_id
-    qsl = np.array([0, 5, 2048, 30_000, 32_768])
-    ctx = rng.integers(0, g.vocab_size, size=(4, 2))
-    dev = [torch.from_numpy(a).cuda() for a in (ids, qsl, ctx)]
-    got = row_ids_torch(*dev, g)
-    assert got.is_cuda and np.array_equal(got.cpu().numpy(), row_ids(ids, qsl, ctx, g))
+    # the GPU check's torch tier holds the comparison (on the device, and equal to numpy)
+    spec = importlib.util.spec_from_file_location("torch_tier", REPO / "gpu" / "torch_tier.py")
+    torch_tier = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(torch_tier)
+    assert torch_tier.check_row_ids(torch.device("cuda")) == {"row ids": True}
 
 
 def test_dequantize_on_cuda_equals_numpy():

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import wheel_cache
+from packaging.utils import canonicalize_name
 from skip_guard import skip_without_cuda
 
 from sparkple import patch
@@ -289,10 +290,6 @@ REFERENCE_LACKS = {
 }  # fmt: skip
 
 
-def normalized(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 @pytest.fixture(scope="session")
 def machine_python() -> Path:
     """The simulated offline GPU machine: a venv of the target's Python (3.12) with torch
@@ -323,10 +320,10 @@ def test_bundle_runs_on_the_simulated_offline_gpu_machine(
     carried = json.loads((root / "bundle" / "carried.json").read_text())
     assert carried["target"] == {"name": "h200-offline", "arch": "x86_64", "python": "3.12",
                                  "glibc": "2.35"}  # fmt: skip
-    wheels = {normalized(n) for n, p in carried["packages"].items() if "wheel" in p}
+    wheels = {canonicalize_name(n) for n, p in carried["packages"].items() if "wheel" in p}
     assert wheels == REFERENCE_LACKS
     needs = json.loads((root / "bundle" / "needs.json").read_text())
-    assert {normalized(n["requirement"].split("==")[0]) for n in needs.values()
+    assert {canonicalize_name(n["requirement"].split("==")[0]) for n in needs.values()
             if n["carried"]} == REFERENCE_LACKS  # fmt: skip
     assert needs["torchvision"]["why"] == "the target (h200-offline) has it"
 
@@ -351,7 +348,7 @@ def test_bundle_runs_on_the_simulated_offline_gpu_machine(
     used = json.loads((out / "carried.json").read_text())
     assert set(used) == set(carried["packages"])
     for name in carried["packages"]:
-        if normalized(name) in REFERENCE_LACKS:
+        if canonicalize_name(name) in REFERENCE_LACKS:
             assert used[name] == {"used": "bundle", "version": carried["packages"][name]["version"],
                                   "why": "not on this machine"}  # fmt: skip
     assert f"gpu-check: of {len(used)} carried packages, " in proc.stdout
