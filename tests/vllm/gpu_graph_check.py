@@ -58,10 +58,10 @@ from ple_equivalence import (
     Runner,
     build,
     forward,
-    kernel_order_step,
     model_state,
     patched_modules,
     seed_loader_filter,
+    stock_rows,
     vllm_context,
 )
 
@@ -189,14 +189,6 @@ class Graphs:
         return self.outputs[tokens]
 
 
-def stock_lookup(stock, input_ids, qsl, ctx, dtype) -> torch.Tensor:
-    """Stock vLLM's rows for the step: its pinned-host lookup on CUDA; on the CPU its device
-    backend's rows in the order its CUDA kernel multiplies the scales."""
-    if CUDA:
-        return forward(stock, input_ids, qsl, ctx)
-    return kernel_order_step(stock, input_ids, qsl, ctx).to(dtype)
-
-
 def replay_checks(runner: Runner, graphs: Graphs, stock, dtype) -> dict:
     """Replays of steps the host step prepared, each against stock vLLM's lookup."""
     checks: dict = {"replays": []}
@@ -208,7 +200,7 @@ def replay_checks(runner: Runner, graphs: Graphs, stock, dtype) -> dict:
         graphs.fill(input_ids, qsl, ctx)
         out = graphs.run(tokens)
         synchronize()
-        theirs = stock_lookup(stock, input_ids, qsl, ctx, dtype)
+        theirs = stock_rows(stock, input_ids, qsl, ctx, dtype)
         checks["replays"].append(
             {
                 "equals_stock": bool(torch.equal(out[:real], theirs[:real])),
@@ -236,7 +228,7 @@ def replay_checks(runner: Runner, graphs: Graphs, stock, dtype) -> dict:
         graphs.fill(input_ids, qsl, ctx)
         out = graphs.run(size) if size in GRAPH_SIZES else graphs.eager(size)
         synchronize()
-        theirs = stock_lookup(stock, input_ids, qsl, ctx, dtype)
+        theirs = stock_rows(stock, input_ids, qsl, ctx, dtype)
         checks["sizes"][str(size)] = bool(
             torch.equal(out[:real], theirs[:real]) and out[:real].abs().sum() > 0
         )

@@ -71,7 +71,6 @@ class DeviceWait:
     """
 
     def __init__(self, host) -> None:
-        self.host = host
         self.cycles_per_ms = calibrate() if eq.DEVICE.type == "cuda" else 0.0
         self.calls = 0
         if eq.DEVICE.type != "cuda":
@@ -104,13 +103,6 @@ def calibrate() -> float:
     torch.cuda._sleep(10_000_000)
     torch.cuda.synchronize()
     return 10_000_000 / ((time.perf_counter() - started) * 1e3)
-
-
-def reference_rows(stock, input_ids, qsl, ctx, dtype) -> torch.Tensor:
-    """Stock vLLM's rows of the step (on the CPU in its CUDA kernel's order of scales)."""
-    if eq.DEVICE.type == "cuda":
-        return eq.forward(stock, input_ids, qsl, ctx)
-    return eq.kernel_order_step(stock, input_ids, qsl, ctx).to(dtype)
 
 
 def main() -> int:
@@ -154,7 +146,7 @@ def main() -> int:
                 if observe:
                     waited.append(synced)
                     ours = eq.forward(layer, input_ids, qsl, ctx)[:real]
-                    theirs = reference_rows(stock, input_ids, qsl, ctx, dtype)[:real]
+                    theirs = eq.stock_rows(stock, input_ids, qsl, ctx, dtype)[:real]
                     right.append(bool(torch.equal(ours, theirs) and ours.abs().sum() > 0))
                 else:
                     times.append(host.last_times)

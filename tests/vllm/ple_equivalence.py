@@ -466,6 +466,14 @@ def kernel_order_step(layer, input_ids, query_start_loc, ngram_context) -> torch
     return rows.reshape(input_ids.shape[0], -1)
 
 
+def stock_rows(stock, input_ids, query_start_loc, ngram_context, dtype) -> torch.Tensor:
+    """Stock vLLM's rows of a step, the reference of the GPU checks: its own lookup on CUDA;
+    on the CPU its device backend's rows in the order its CUDA kernel multiplies the scales."""
+    if DEVICE.type == "cuda":
+        return forward(stock, input_ids, query_start_loc, ngram_context)
+    return kernel_order_step(stock, input_ids, query_start_loc, ngram_context).to(dtype)
+
+
 def resident_bytes(layer) -> int:
     tensors = list(layer.parameters()) + list(layer.buffers())
     return sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta")
