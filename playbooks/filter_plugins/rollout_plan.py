@@ -1,12 +1,14 @@
 """rollout_plan: the order and batches of a rollout, a pair counting as one backend.
 
-    groups[rollout_group] | rollout_plan(hostvars, rollout_batch)
+    groups[rollout_group] | rollout_plan(hostvars, rollout_batch, rollout_canary)
       -> {"canary": [hosts], "rest": [hosts], "sizes": [hosts per batch]}
 
-The canary is the first backend of the group (a single Spark or a pair, head then worker); the
-others follow in batches of `batch` backends (a number, or a percentage of them as Ansible's
-`serial` counts it: at least one). A pair's two hosts are always in the same batch, head first,
-so that the rollout's tasks can stop, start and gate them in order.
+The canary is the backend of `canary` (a host name; "" = the first backend of the group), a
+single Spark or a pair, head then worker; the others follow in group order, in batches of
+`batch` backends (a number, or a percentage of them as Ansible's `serial` counts it: at least
+one). A pair is a batch of its own, head first: the rollout's tasks stop, start and gate its two
+hosts in order, and a failure on either node fails both (the block's any_errors_fatal, which
+Ansible applies to every host of the batch), so nothing else may share its batch.
 """
 
 from __future__ import annotations
@@ -56,14 +58,47 @@ def batch_size(batch: Any, count: int) -> int:
     return max(size, 1)
 
 
-def rollout_plan(hosts: Iterable[str], hostvars: Mapping[str, Any], batch: Any) -> dict[str, Any]:
-    groups = backends(list(hosts), hostvars)
+def batches(rest: list[list[str]], per_batch: int) -> list[list[str]]:
+    """Up to `per_batch` single Sparks per batch, in order; a pair alone in its batch."""
+    out: list[list[str]] = []
+    singles: list[str] = []
+    for backend in rest:
+        if len(backend) == 1:
+            singles += backend
+            if len(singles) == per_batch:
+                out.append(singles)
+                singles = []
+            continue
+        if singles:
+            out.append(singles)
+            singles = []
+        out.append(backend)
+    return out + ([singles] if singles else [])
+
+
+def rollout_plan(
+    hosts: Iterable[str], hostvars: Mapping[str, Any], batch: Any, canary: Any = ""
+) -> dict[str, Any]:
+    hosts = list(hosts)
+    groups = backends(hosts, hostvars)
     if not groups:
         return {"canary": [], "rest": [], "sizes": []}
-    rest = groups[1:]
-    per_batch = batch_size(batch, len(rest))
-    sizes = [sum(len(b) for b in rest[i : i + per_batch]) for i in range(0, len(rest), per_batch)]
-    return {"canary": groups[0], "rest": [h for b in rest for h in b], "sizes": sizes or [1]}
+    first = 0
+    if canary:
+        found = [i for i, b in enumerate(groups) if canary in b]
+        if not found:
+            raise AnsibleFilterError(
+                f"rollout canary {canary!r} is not a host of the rollout's group "
+                f"({', '.join(hosts)}): name one of them, or leave sparkple_rollout_canary unset"
+            )
+        first = found[0]
+    rest = groups[:first] + groups[first + 1 :]
+    planned = batches(rest, batch_size(batch, len(rest)))
+    return {
+        "canary": groups[first],
+        "rest": [h for b in planned for h in b],
+        "sizes": [len(b) for b in planned] or [1],
+    }
 
 
 class FilterModule:

@@ -27,10 +27,13 @@ from ..atomicfile import write_text
 MARKERS = "markers"
 # Markers that record an incident: a memory emergency stop, a server stopped by the probe
 # because /health kept failing after readiness (unhealthy) or generations kept failing with
-# /health 200 (wedged), and on a pair's head one per break of the pair (pair-broken: either
-# side went down, whatever stopped it; the breaker of a pair counts these alone).
+# /health 200 (wedged), on a pair's head one per break of the pair (pair-broken: either
+# side went down, whatever stopped it; the breaker of a pair counts these alone), and one per
+# rollout that failed on the node and was rolled back (rollback, written by the rollout; no
+# breaker counts it: the rollout stopped, nothing relaunches into the failed release).
 PAIR_BROKEN = "pair-broken"
-INCIDENT_KINDS = frozenset({"emergency", "unhealthy", "wedged", PAIR_BROKEN})
+ROLLBACK = "rollback"
+INCIDENT_KINDS = frozenset({"emergency", "unhealthy", "wedged", PAIR_BROKEN, ROLLBACK})
 MANUAL_STOP = "manual-stop"
 # Every state the supervisor records in supervisor.json (the metrics export one gauge each).
 SUPERVISOR_STATES = (

@@ -26,7 +26,8 @@ counts), and both are relaunched together. The worker's supervisor follows the h
 nothing; the manual-stop flag of either node is hands off for both.
 
 Subcommands: run, status, reset, manual-stop, resume, relaunch (drain, then stop and start,
-wait for /health and check a real generation: the weekly maintenance relaunch).
+wait for /health and check a real generation: the weekly maintenance relaunch), incident
+(record one incident marker of a kind written outside the loop: a rollout's rollback).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from .maintenance import relaunch
 from .pairing import make_supervisor
 from .pairlink import parse_listen
 from .shm import DEFAULT_PATTERNS
-from .state import iso, locked, manual_stop_path
+from .state import ROLLBACK, iso, locked, manual_stop_path, write_marker
 from .status import state_options, status
 
 
@@ -116,6 +117,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--reason", default="operator", help="who set it (shown by status)"
     )
     sub.add_parser("resume", parents=[common], help="remove the manual-stop flag")
+    incident = sub.add_parser("incident", parents=[common], help="record an incident marker")
+    incident.add_argument("--kind", required=True, choices=[ROLLBACK])
+    incident.add_argument("--reason", required=True, help="what happened (shown by status)")
     sub.add_parser(
         "relaunch", parents=[common, service, policy, drain_options()], help="drain, stop, start"
     )
@@ -159,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
             else:
                 manual_stop_path(args.state_dir).unlink(missing_ok=True)
+        return 0
+    if args.command == "incident":
+        print(write_marker(args.state_dir, args.kind, time.time(), {"reason": args.reason}))
         return 0
     supervisor = make_supervisor(args)
     if args.command == "reset":

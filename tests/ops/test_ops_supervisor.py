@@ -4,6 +4,7 @@ and circuit breaker."""
 
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
 import sys
@@ -380,6 +381,32 @@ def test_a_stop_under_the_manual_stop_flag_is_no_failure(tmp_path, lab, procs):
     wait_for(lambda: sup_state(state).get("state") == "running", 10, "running again")
     later = [h["event"] for h in sup_state(state)["history"] if h["time"] >= since]
     assert not {"down", "relaunch", "launch-failed", "ready-timeout"} & set(later), later
+
+
+def test_a_rollback_is_recorded_as_one_incident_that_status_shows(tmp_path):
+    """What a failed rollout leaves on the node that failed: one `rollback` marker, shown by
+    status among the incidents of the last 24 h and counted by the metrics."""
+    state = tmp_path / "state"
+    reason = "release 0123abcd (B) rolled back: Start the new release: exit 1"
+    out = subprocess.run(
+        program("supervisor", "incident", "--state-dir", state, "--kind", "rollback",
+                "--reason", reason),
+        check=True, capture_output=True, text=True, timeout=20,
+    )  # fmt: skip
+    assert Path(out.stdout.strip()).parent == state / "markers"
+    shown = subprocess.run(
+        program("supervisor", "status", "--state-dir", state, "--json"),
+        check=True, capture_output=True, text=True, timeout=20,
+    )  # fmt: skip
+    incidents = json.loads(shown.stdout)["incidents_24h"]
+    assert [(m["kind"], m["reason"]) for m in incidents] == [("rollback", reason)]
+    assert count_markers(state, {"rollback"}) == {"rollback": 1}
+    refused = subprocess.run(
+        program("supervisor", "incident", "--state-dir", state, "--kind", "emergency",
+                "--reason", "x"),
+        capture_output=True, text=True, timeout=20,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "invalid choice: 'emergency'" in refused.stderr
 
 
 def test_maintenance_relaunch_ends_with_a_smoke_generation(tmp_path, lab, procs):
