@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from ansible_local import run_playbook
 
 from sparkple.ops.metrics import parse_args
@@ -71,3 +74,46 @@ def test_a_pair_node_reads_its_own_link(tmp_path, host):
 def test_a_single_spark_has_no_link(tmp_path):
     args = parse_args(exec_start(tmp_path, {}))
     assert args.link_interface == "" and args.rdma_device == ""
+
+
+def program_words(*args: object) -> list[str]:
+    return [sys.executable, "-m", "sparkple.ops.metrics", *map(str, args)]
+
+
+def run_link_check(tmp_path: Path, pair_info: dict):
+    """The role's own assert on the pair link's names, alone in a play."""
+    tasks = yaml.safe_load((ROLE / "tasks" / "main.yml").read_text())
+    (check,) = [
+        t for t in tasks if t["name"] == "Refuse a pair link the metrics program cannot read"
+    ]
+    play = [{"hosts": "localhost", "gather_facts": False, "tasks": [check]}]
+    return run_playbook(
+        tmp_path,
+        yaml.safe_dump(play),
+        {"sparkple_pair_info": pair_info, "inventory_hostname": "spark-x"},
+    )
+
+
+@pytest.mark.parametrize(
+    ("interface", "hca", "ok"),
+    [
+        ("enp1s0f1np1", "rocep1s0f1", True),
+        ("enp1s0f1np1", "=mlx5_0:1", True),
+        ("enp1s0f1np1", "mlx5_0,mlx5_1", False),
+        ("../../etc", "rocep1s0f1", False),
+        ("enp1s0f1np1", "mlx5_0:x", False),
+    ],
+)
+def test_the_role_refuses_link_names_the_program_would(tmp_path, interface, hca, ok):
+    info = {"node": {"link_interface": interface, "ib_hca": hca}}
+    done = run_link_check(tmp_path, info)
+    assert (done.returncode == 0) is ok, done.stdout + done.stderr
+    refused = subprocess.run(
+        program_words("--out", tmp_path / "m.prom", "--link-interface", interface,
+                      "--rdma-device", hca, "--sysfs-root", tmp_path),
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (refused.returncode == 0) is ok, refused.stderr
+    if not ok:
+        assert "spark-x: sparkple_pair_link_interface=" in done.stdout
+        assert "fix the host's inventory vars" in done.stdout
