@@ -10,7 +10,10 @@ One run collects:
   - the PLE counters the patched backend writes into the stats dir (format:
     sparkple/runtime/stats.py);
   - the supervisor's state and the incident markers, when --state-dir is given;
-  - NVIDIA driver errors (Xid, NV_ERR_NO_MEMORY) in the kernel log, when --kmsg is given.
+  - NVIDIA driver errors (Xid, NV_ERR_NO_MEMORY) in the kernel log, when --kmsg is given;
+  - a pair node's link, when --link-interface (and --rdma-device) is given: the interface's IP
+    bytes and state, and the RDMA port's bytes, errors, link downs and state (from sysfs,
+    --sysfs-root; no RDMA device gives sparkple_pair_link_rdma_present 0 and no RDMA series).
 A source that is missing only drops its metrics (and says so on stderr); the file is still
 written, so one broken source never blanks the rest.
 
@@ -34,6 +37,7 @@ from ..runtime import stats
 from ..runtime.pagecache import PAGE_SIZE, file_resident_pages
 from ..runtime.tablemeta import read_meta
 from .host import block_device, kernel_error_counts, run_command
+from .linkcounters import check_name, parse_hca, read_interface, read_rdma
 from .state import (
     INCIDENT_KINDS,
     SUPERVISOR_STATES,
@@ -299,6 +303,81 @@ def collect_kernel(out: Exposition, kmsg: Path, io_device: str) -> None:
         out.sample(name, n, {"kind": kind})
 
 
+# -- the pair link ----------------------------------------------------------------------------
+def collect_link(out: Exposition, sysfs: Path, interface: str, hca: str) -> None:
+    """The link interface's IP bytes and the HCA port's RDMA counters (docs/link-monitoring.md)."""
+    iface = read_interface(sysfs, interface)
+    labels = {"interface": interface}
+    if not iface.present:
+        warn(f"no network interface {interface} under {sysfs}/class/net; no IP byte counts")
+    out.metric(
+        "pair_link_interface_up",
+        "gauge",
+        "1 while the pair link's interface is up.",
+        iface.up,
+        labels,
+    )
+    if iface.rx_bytes is not None and iface.tx_bytes is not None:
+        name = out.family(
+            "pair_link_ip_bytes_total",
+            "counter",
+            "Bytes of the kernel's network stack on the pair link's interface (no RoCE).",
+        )
+        out.sample(name, iface.rx_bytes, {**labels, "direction": "receive"})
+        out.sample(name, iface.tx_bytes, {**labels, "direction": "transmit"})
+    if iface.carrier_changes is not None:
+        out.metric(
+            "pair_link_carrier_changes_total",
+            "counter",
+            "Times the pair link's interface lost or regained its carrier.",
+            iface.carrier_changes,
+            labels,
+        )
+    if not hca:
+        return
+    device, port = parse_hca(hca)
+    ports = read_rdma(sysfs, device, port)
+    present = "1 when the pair link's RDMA device (and port) is in sysfs."
+    out.metric("pair_link_rdma_present", "gauge", present, int(bool(ports)), {"device": device})
+    if not ports:
+        warn(f"no RDMA device {hca} under {sysfs}/class/infiniband; no RDMA counters")
+        return
+    # each family's samples right after its HELP and TYPE (the text format groups them)
+    name = out.family(
+        "pair_link_rdma_port_active", "gauge", "1 while the RDMA port's state is ACTIVE."
+    )
+    for p in ports:
+        if p.active is not None:
+            out.sample(name, p.active, {"device": p.device, "port": p.port})
+    name = out.family(
+        "pair_link_rdma_bytes_total",
+        "counter",
+        "RDMA bytes through the port (port_xmit_data and port_rcv_data x 4).",
+    )
+    for p in ports:
+        at = {"device": p.device, "port": p.port}
+        if p.tx_bytes is not None:
+            out.sample(name, p.tx_bytes, {**at, "direction": "transmit"})
+        if p.rx_bytes is not None:
+            out.sample(name, p.rx_bytes, {**at, "direction": "receive"})
+    name = out.family(
+        "pair_link_rdma_link_downed_total",
+        "counter",
+        "Times the port's link error recovery failed and the link went down (link_downed).",
+    )
+    for p in ports:
+        if p.link_downed is not None:
+            out.sample(name, p.link_downed, {"device": p.device, "port": p.port})
+    name = out.family(
+        "pair_link_rdma_errors_total",
+        "counter",
+        "The RDMA port's error counters (counters/ and RoCE hw_counters/), by counter.",
+    )
+    for p in ports:
+        for counter, value in sorted(p.errors.items()):
+            out.sample(name, value, {"device": p.device, "port": p.port, "counter": counter})
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="the .prom file to (re)write")
@@ -312,7 +391,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--kmsg", type=Path, help="kernel log to count NVIDIA errors in (e.g. /dev/kmsg)"
     )
+    p.add_argument("--link-interface", default="", help="a pair node's link interface")
+    p.add_argument(
+        "--rdma-device", default="", help="the link's RDMA device, DEVICE or DEVICE:PORT"
+    )
+    p.add_argument(
+        "--sysfs-root", type=Path, default=Path("/sys"), help="where sysfs is (tests: a tree)"
+    )
     args = p.parse_args(argv)
+    if args.rdma_device and not args.link_interface:
+        p.error("--rdma-device needs --link-interface (the pair link's interface)")
+    try:
+        if args.link_interface:
+            check_name("interface", args.link_interface)
+        if args.rdma_device:
+            parse_hca(args.rdma_device)
+    except ValueError as exc:
+        p.error(
+            f"{exc}: set the pair's link in the inventory (sparkple_pair_link_interface, "
+            "sparkple_pair_ib_hca)"
+        )
     if args.out.suffix != ".prom":
         p.error("--out must end in .prom (node_exporter's textfile collector reads only those)")
     return args
@@ -339,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
             except OSError:
                 device = ""
         collect_kernel(out, args.kmsg, device)
+    if args.link_interface:
+        collect_link(out, args.sysfs_root, args.link_interface, args.rdma_device)
     out.metric(
         "metrics_collect_seconds",
         "gauge",

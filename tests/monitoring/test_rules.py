@@ -243,6 +243,126 @@ CASES: list[tuple[str, list[dict[str, str]], str, list[tuple[dict[str, str], str
     ),
 ]
 
+# A pair's link, as a pair node's `ple_metrics` and the scrape's `pair` label give it.
+MIB = 2**20
+HCA, IFACE = "rocep1s0f1", "enp1s0f1np1"
+
+
+def link_node(host: str, pair: str, *, ip: str, rdma: str) -> list[dict[str, str]]:
+    """One pair node's link bytes, each direction moving as `ip` and `rdma` say."""
+    return [
+        series(name, values, host=host, pair=pair, direction=d, **labels)
+        for d in ("receive", "transmit")
+        for name, values, labels in (
+            ("sparkple_pair_link_ip_bytes_total", ip, {"interface": IFACE}),
+            ("sparkple_pair_link_rdma_bytes_total", rdma, {"device": HCA, "port": "1"}),
+        )
+    ]
+
+
+ON_TCP = [
+    # p1: serving, 3 MiB/min of IP each way on both nodes, RDMA flat: on TCP
+    *link_node("a", "p1", ip=f"0+{3 * MIB}x25", rdma="0x25"),
+    *link_node("b", "p1", ip=f"0+{3 * MIB}x25", rdma="0x25"),
+    series("vllm:generation_tokens_total", "0+60x25", host="a", pair="p1"),
+    # p2: the same IP traffic (vLLM's step broadcast) and RDMA moving: on RDMA, quiet
+    *link_node("c", "p2", ip=f"0+{3 * MIB}x25", rdma=f"0+{100 * MIB}x25"),
+    *link_node("d", "p2", ip=f"0+{3 * MIB}x25", rdma=f"0+{100 * MIB}x25"),
+    series("vllm:generation_tokens_total", "0+60x25", host="c", pair="p2"),
+    # p3: on TCP but generating nothing: quiet (nothing to slow down)
+    *link_node("e", "p3", ip=f"0+{3 * MIB}x25", rdma="0x25"),
+    *link_node("f", "p3", ip=f"0+{3 * MIB}x25", rdma="0x25"),
+    series("vllm:generation_tokens_total", "100x25", host="e", pair="p3"),
+    # p4: RDMA just over the floor (2 x 64 KiB/min, 1.25 MiB in 10 min): quiet
+    *link_node("g", "p4", ip=f"0+{3 * MIB}x25", rdma="0+65536x25"),
+    *link_node("h", "p4", ip=f"0+{3 * MIB}x25", rdma="0+65536x25"),
+    series("vllm:generation_tokens_total", "0+60x25", host="g", pair="p4"),
+]
+ON_TCP_SUMMARY = "{}: pair p1 serves with 60MiB of IP and no RDMA bytes on its link in 10 min"
+PORT = {"device": HCA, "port": "1"}
+
+CASES += [
+    (
+        "SparkplePairLinkOnTcp",
+        ON_TCP,
+        "20m",
+        [({"host": h, "pair": "p1"}, ON_TCP_SUMMARY.format(h)) for h in ("a", "b")],
+    ),
+    # not yet: pending from the first minute, `for: 5m`
+    ("SparkplePairLinkOnTcp", ON_TCP, "5m", []),
+    (
+        "SparkplePairLinkDown",
+        [
+            # a: the port drops out of ACTIVE (and the interface with it: one alert)
+            series("sparkple_pair_link_rdma_port_active", "1 1 0 0 0 0", host="a", **PORT),
+            series("sparkple_pair_link_interface_up", "1 1 0 0 0 0", host="a", interface=IFACE),
+            # b: the link went down and came back
+            series("sparkple_pair_link_rdma_port_active", "1x5", host="b", **PORT),
+            series("sparkple_pair_link_rdma_link_downed_total", "0 0 1 1 1 1", host="b", **PORT),
+            # c: no RDMA device (the lab), the interface down
+            series("sparkple_pair_link_interface_up", "0x5", host="c", interface=IFACE),
+            # d: healthy, with link downs counted long ago
+            series("sparkple_pair_link_rdma_port_active", "1x5", host="d", **PORT),
+            series("sparkple_pair_link_rdma_link_downed_total", "5x5", host="d", **PORT),
+            series("sparkple_pair_link_interface_up", "1x5", host="d", interface=IFACE),
+            # e: down for less than `for: 1m`
+            series("sparkple_pair_link_rdma_port_active", "1 1 1 1 1 0", host="e", **PORT),
+        ],
+        "5m",
+        [
+            (
+                {"host": "a", **PORT},
+                f"a: the pair link ({HCA}) is down or went down in the last 15 min",
+            ),
+            (
+                {"host": "b", **PORT},
+                f"b: the pair link ({HCA}) is down or went down in the last 15 min",
+            ),
+            (
+                {"host": "c", "interface": IFACE},
+                f"c: the pair link ({IFACE}) is down or went down in the last 15 min",
+            ),
+        ],
+    ),
+    (
+        "SparkplePairLinkErrors",
+        [
+            series(
+                "sparkple_pair_link_rdma_errors_total",
+                "0 0 0 3 3 3 3 3 3 3 3",
+                host="a",
+                pair="p1",
+                counter="symbol_error",
+                **PORT,
+            ),
+            series(
+                "sparkple_pair_link_rdma_errors_total",
+                "7x10",
+                host="b",
+                pair="p1",
+                counter="out_of_sequence",
+                **PORT,
+            ),
+            # what a peer that dies also raises: left out
+            series(
+                "sparkple_pair_link_rdma_errors_total",
+                "0 0 0 9 9 9 9 9 9 9 9",
+                host="b",
+                pair="p1",
+                counter="local_ack_timeout_err",
+                **PORT,
+            ),
+        ],
+        "10m",
+        [
+            (
+                {"host": "a", "pair": "p1", "counter": "symbol_error", **PORT},
+                f"a: 3 symbol_error on the pair link's port {HCA}/1 in 15 min",
+            )
+        ],
+    ),
+]
+
 # recording rules whose value is exact for a known input
 RECORDED = [
     (
