@@ -102,8 +102,8 @@ class PairNode:
     ib_hca: str
     # pinned by the inventory; None: found in sysfs at each start (sparkple.serving.link)
     ib_gid_index: int | None
-    transport: str
-    link_mtu: int
+    transport: str = "ib"
+    link_mtu: int = DEFAULT_MTU
 
 
 @dataclass(frozen=True)
