@@ -15,6 +15,10 @@ worker connects to the head's --master-port over TCP, and the wire is tiny:
 
 A head that already has its worker answers any other connection with one refusal line
 ({"refused": why}) and closes it.
+
+Once a pair has formed, each node prints the init lines NCCL would log for the transport its
+environment selects (`announce_network`), so that the head's transport check has something real
+to read in the unit's journal. That is the lab's model of NCCL, not NCCL.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import socket
 import threading
 import time
@@ -171,6 +176,24 @@ class Link:
             self.sock.close()
 
 
+def announce_network(sock: socket.socket) -> None:
+    """Print NCCL's init lines (NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET) for the network
+    NCCL_NET selects. The lab has no RDMA device: with NCCL_NET=IB, NCCL finds no IB device and,
+    forced to that network, fails its init; so does this node."""
+    if os.environ.get("NCCL_DEBUG", "").upper() != "INFO":
+        return
+    prefix = f"{socket.gethostname()}:{os.getpid()}:{threading.get_native_id()} [0] NCCL INFO"
+    if os.environ.get("NCCL_NET", "").lower() == "ib":
+        print(f"{prefix} NET/IB : No device found.", flush=True)
+        raise PairRefused(
+            "NCCL WARN Failed to initialize any NET plugin (NCCL_NET=IB and no RDMA device in "
+            "the lab): a lab pair needs sparkple_pair_transport: socket"
+        )
+    interface = os.environ.get("NCCL_SOCKET_IFNAME", "eth0")
+    print(f"{prefix} NET/Socket : Using [0]{interface}:{sock.getsockname()[0]}<0>", flush=True)
+    print(f"{prefix} Using network Socket", flush=True)
+
+
 def listen(port: int) -> socket.socket:
     """The head's rendezvous socket, on every address (as the TCP store at --master-port)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -202,6 +225,7 @@ def accept_worker(listener: socket.socket, own: dict[str, Any]) -> Link:
             continue
         try:
             check_pair(own, theirs)
+            announce_network(sock)
         except PairRefused:
             sock.close()
             raise
@@ -253,6 +277,7 @@ def join_head(
             if theirs is not None and theirs.get("sparkple_lab_pair") == 1:
                 try:
                     check_pair(theirs, own)
+                    announce_network(sock)
                 except PairRefused:
                     sock.close()
                     raise

@@ -17,6 +17,8 @@ from .errors import EXIT_CHECK_FAILED, SparkpleError
 COMMANDS: dict[str, str] = {
     "serving-plan": "sparkple.serving.cli",
     "launch-gate": "sparkple.serving.cli",
+    "pair-link-check": "sparkple.serving.linkcli",
+    "pair-transport": "sparkple.serving.linkcli",
     "snapshot-manifest": "sparkple.manifest",
     "synth-checkpoint": "sparkple.builder.synth",
     "build-table": "sparkple.builder.tablecli",

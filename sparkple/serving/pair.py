@@ -2,10 +2,11 @@
 
 The inventory names a pair on each of its two hosts (`sparkple_pair`, the same name on both)
 with the host's rank (0: the head, which serves the API; 1: the worker, `--headless`) and its
-side of the link between them (address, interface, RDMA device, GID index). From those come the
-multi-node flags of `vllm serve`, the NCCL/Gloo environment of each node, and which host is the
-other's peer. Every mistake in that description is refused here with the host and the variable
-to fix, before anything starts.
+side of the link between them (address, interface, MTU, transport, RDMA device, an optional
+pinned GID index). From those come the multi-node flags of `vllm serve`, the NCCL/Gloo
+environment of each node, the arguments of its link check (sparkple.serving.link), and which
+host is the other's peer. Every mistake in that description is refused here with the host and
+the variable to fix, before anything starts.
 
 Standard library only: the roles' filter plugin and the host programs import it.
 """
@@ -16,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .link import DEFAULT_MTU, TRANSPORTS
 from .recipe import PAIR_FLAGS, ServingError
 
 __all__ = ["PAIR_FLAGS", "Pair", "PairNode", "disagreements", "node_args", "pair_of", "pairs_of"]
@@ -23,7 +25,6 @@ __all__ = ["PAIR_FLAGS", "Pair", "PairNode", "disagreements", "node_args", "pair
 TP_SIZE = 2
 HEAD, WORKER = 0, 1
 DEFAULT_MASTER_PORT = 29501
-DEFAULT_GID_INDEX = 3
 # The inventory variables that describe a pair (host vars on both of its hosts).
 INVENTORY_VARS = (
     "sparkple_pair",
@@ -33,7 +34,12 @@ INVENTORY_VARS = (
     "sparkple_pair_ib_hca",
     "sparkple_pair_ib_gid_index",
     "sparkple_pair_master_port",
+    "sparkple_pair_transport",
+    "sparkple_pair_link_mtu",
 )
+# What NCCL's debug output must show for the head's transport check to read it (INIT: "Using
+# network", NET: the device lines); only these two subsystems, so the log stays short.
+NCCL_DEBUG_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}
 
 # What both nodes of a pair must agree on before either starts (preflight, tasks_from: pair),
 # each with the words a refusal uses: a node serving another revision, other patches or another
@@ -94,7 +100,10 @@ class PairNode:
     link_address: str
     link_interface: str
     ib_hca: str
-    ib_gid_index: int
+    # pinned by the inventory; None: found in sysfs at each start (sparkple.serving.link)
+    ib_gid_index: int | None
+    transport: str = "ib"
+    link_mtu: int = DEFAULT_MTU
 
 
 @dataclass(frozen=True)
@@ -119,15 +128,38 @@ class Pair:
 
     def env(self, host: str) -> dict[str, str]:
         """The environment of this host's engine: its own link address (the address vLLM's
-        workers announce) and its own side of the link for NCCL and Gloo."""
+        workers announce), its own side of the link for NCCL and Gloo, and the transport forced:
+        NCCL_NET=IB makes a missing IB path fail NCCL's init instead of falling back to sockets
+        (NCCL_IB_GID_INDEX comes from the link check's env file, found at each start)."""
         node = self.node(host)
-        return {
+        env = {
             "VLLM_HOST_IP": node.link_address,
             "NCCL_SOCKET_IFNAME": node.link_interface,
             "GLOO_SOCKET_IFNAME": node.link_interface,
-            "NCCL_IB_HCA": node.ib_hca,
-            "NCCL_IB_GID_INDEX": str(node.ib_gid_index),
         }
+        if node.transport == "ib":
+            env |= {"NCCL_NET": "IB", "NCCL_IB_DISABLE": "0", "NCCL_IB_HCA": node.ib_hca}
+        else:
+            env |= {"NCCL_NET": "Socket", "NCCL_IB_DISABLE": "1"}
+        return env | NCCL_DEBUG_ENV
+
+    def link_check_args(self, host: str) -> list[str]:
+        """The arguments of `sparkple pair-link-check` for this host's side of the link."""
+        node, peer = self.node(host), self.peer(host)
+        args = [
+            f"--host={host}",
+            f"--interface={node.link_interface}",
+            f"--address={node.link_address}",
+            f"--peer-address={peer.link_address}",
+            f"--peer-port={self.master_port}",
+            f"--mtu={node.link_mtu}",
+            f"--transport={node.transport}",
+        ]
+        if node.transport == "ib":
+            args.append(f"--ib-hca={node.ib_hca}")
+            if node.ib_gid_index is not None:
+                args.append(f"--gid-index={node.ib_gid_index}")
+        return args
 
     def describe(self, host: str) -> dict[str, Any]:
         """What a role needs of the pair from this host's side (JSON-friendly)."""
@@ -142,9 +174,11 @@ class Pair:
             "peer_address": peer.link_address,
             "master_addr": self.head.link_address,
             "master_port": self.master_port,
+            "transport": node.transport,
             "node": asdict(node),
             "vllm_args": self.vllm_args(host),
             "env": self.env(host),
+            "link_check_args": self.link_check_args(host),
         }
 
 
@@ -171,16 +205,32 @@ def _node(host: str, hv: Mapping[str, Any]) -> PairNode:
             f"{host}: sparkple_pair_rank is {hv.get('sparkple_pair_rank')!r}: "
             "use 0 on the head (serves the API) and 1 on the worker"
         )
-    gid = integer("sparkple_pair_ib_gid_index", DEFAULT_GID_INDEX)
-    if gid < 0:
-        raise ServingError(f"{host}: sparkple_pair_ib_gid_index is {gid}: use 0 or more")
+    transport = str(hv.get("sparkple_pair_transport", "ib")).strip().lower()
+    if transport not in TRANSPORTS:
+        raise ServingError(
+            f"{host}: sparkple_pair_transport is {hv.get('sparkple_pair_transport')!r}: use ib "
+            "(RDMA over the link, the default) or socket (TCP, about half the decode speed)"
+        )
+    gid: int | None = None
+    if hv.get("sparkple_pair_ib_gid_index") not in (None, ""):
+        gid = integer("sparkple_pair_ib_gid_index", 0)
+        if gid < 0:
+            raise ServingError(f"{host}: sparkple_pair_ib_gid_index is {gid}: use 0 or more")
+    mtu = integer("sparkple_pair_link_mtu", DEFAULT_MTU)
+    if not 576 <= mtu <= 65535:
+        raise ServingError(f"{host}: sparkple_pair_link_mtu is {mtu}: use the link's MTU (9000)")
     return PairNode(
         host=host,
         rank=rank,
         link_address=need("sparkple_pair_link_address"),
         link_interface=need("sparkple_pair_link_interface"),
-        ib_hca=need("sparkple_pair_ib_hca"),
+        # the socket transport opens no RDMA device
+        ib_hca=need("sparkple_pair_ib_hca")
+        if transport == "ib"
+        else str(hv.get("sparkple_pair_ib_hca") or "").strip(),
         ib_gid_index=gid,
+        transport=transport,
+        link_mtu=mtu,
     )
 
 
@@ -212,6 +262,15 @@ def pairs_of(hostvars: Mapping[str, Mapping[str, Any]]) -> dict[str, Pair]:
                 f"pair {name}: {head.host} and {worker.host} have the same "
                 f"sparkple_pair_link_address {head.link_address}: each is its own node's address"
             )
+        for var, values in (
+            ("sparkple_pair_transport", (head.transport, worker.transport)),
+            ("sparkple_pair_link_mtu", (head.link_mtu, worker.link_mtu)),
+        ):
+            if values[0] != values[1]:
+                raise ServingError(
+                    f"pair {name}: {var} is {values[0]} on {head.host} and {values[1]} on "
+                    f"{worker.host}: both ends of the link use the same"
+                )
         port_value = hostvars[head.host].get("sparkple_pair_master_port", DEFAULT_MASTER_PORT)
         ports = {
             str(hostvars[h].get("sparkple_pair_master_port", DEFAULT_MASTER_PORT)) for h in hosts

@@ -1,7 +1,10 @@
-"""A pair's agreement (preflight, tasks_from: pair) through a real ansible-playbook run on an
-inventory that names a pair: each node reads its own real PLE table (built by `sparkple
-build-table` from a synthetic checkpoint in the HF cache layout) and hashes its own manifests;
-a pair whose nodes differ is refused on both, naming both hosts and what differs."""
+"""A pair's link and agreement (preflight, tasks_from: pair) through a real ansible-playbook run
+on an inventory that names a pair: each node checks its side of the link (`sparkple
+pair-link-check` on a saved sysfs tree, its peer reached for real over the loopback link), reads
+its own real PLE table (built by `sparkple build-table` from a synthetic checkpoint in the HF cache
+layout) and hashes its own manifests; a node whose link is not ready is refused naming the host,
+the thing and the fix, and a pair whose nodes differ is refused on both, naming both hosts and
+what differs."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from pathlib import Path
 import pytest
 from hf_snapshot import hf_cache_snapshot
 
+from sparkple.serving.link import ipv4_mapped_gid
 from sparkple.serving.pair import disagreements
 
 pytestmark = pytest.mark.slow  # a few ansible-playbook runs
@@ -75,23 +79,63 @@ def nodes(tmp_path_factory) -> dict[str, dict[str, str]]:
     return found
 
 
-def run_pair(work: Path, head: dict, worker: dict, *limit: str) -> subprocess.CompletedProcess:
+# The link is the loopback interface: both nodes' addresses are local, so each node's
+# connection to its peer's address is answered for real by this machine's kernel.
+LINK = {"spark-a": "127.0.0.10", "spark-b": "127.0.0.11"}
+
+
+def link_tree(root: Path, address: str, gid_index: int, mtu: int = 9000) -> list[str]:
+    """A Spark's link as sysfs and `ip -j` show it (the RoCE v2 GID of `address` at
+    gid_index); the pair-link-check arguments that read it."""
+
+    def put(path: str, text: str) -> None:
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text + "\n")
+
+    put("sys/class/net/lo/operstate", "up")
+    put("sys/class/net/lo/mtu", str(mtu))
+    port = "sys/class/infiniband/rocep1s0f1/ports/1"
+    put(f"{port}/state", "4: ACTIVE")
+    link_local = "fe80:0000:0000:0000:0000:0000:0000:0001"
+    table = {0: (link_local, "IB/RoCE v1"), gid_index: (ipv4_mapped_gid(address), "RoCE v2")}
+    for index, (gid, kind) in table.items():
+        put(f"{port}/gids/{index}", gid)
+        put(f"{port}/gid_attrs/types/{index}", kind)
+        put(f"{port}/gid_attrs/ndevs/{index}", "lo")
+    put("proc/sys/kernel/osrelease", "6.17.0-1032-nvidia")
+    put("proc/cmdline", "ro quiet")
+    put(
+        "ip.json",
+        json.dumps([{"ifname": "lo", "addr_info": [{"family": "inet", "local": address}]}]),
+    )
+    return [f"--root={root}", f"--ip-json={root / 'ip.json'}", "--timeout=2"]
+
+
+def run_pair(
+    work: Path, head: dict, worker: dict, *limit: str, link: dict | None = None
+) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).parent / "ansible-playbook"
     found = str(exe) if exe.exists() else shutil.which("ansible-playbook")
     if not found:
         pytest.skip("ansible-playbook is not installed (run .ci/setup-venv)")
     local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
              "sparkple_host_python": f"/usr/bin/env PYTHONPATH={ROOT} {sys.executable}",
-             "sparkple_pair": "p1", "sparkple_pair_link_interface": "enp1s0f1np1",
+             "sparkple_pair": "p1", "sparkple_pair_link_interface": "lo",
              "sparkple_pair_ib_hca": "rocep1s0f1"}  # fmt: skip
+    work.mkdir(exist_ok=True)
+    trees = {h: link_tree(work / f"{h}-tree", a, 5 if h == "spark-a" else 2)
+             for h, a in LINK.items()}  # fmt: skip
     hosts = {
         "spark-a": {**local, **head, "sparkple_pair_rank": 0,
-                    "sparkple_pair_link_address": "192.168.100.10"},
+                    "sparkple_pair_link_address": LINK["spark-a"],
+                    "preflight_pair_link_check_args": trees["spark-a"]},
         "spark-b": {**local, **worker, "sparkple_pair_rank": 1,
-                    "sparkple_pair_link_address": "192.168.100.11"},
+                    "sparkple_pair_link_address": LINK["spark-b"],
+                    "preflight_pair_link_check_args": trees["spark-b"]},
         "spark-c": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable},
     }  # fmt: skip
-    work.mkdir(exist_ok=True)
+    for host, more in (link or {}).items():
+        hosts[host].update(more(work / f"{host}-tree") if callable(more) else more)
     (work / "hosts.json").write_text(json.dumps({"sparks": {"hosts": hosts}}))
     (work / "play.yml").write_text(PLAY)
     env = dict(os.environ, ANSIBLE_ROLES_PATH=str(ROOT / "roles"))
@@ -152,6 +196,37 @@ def test_a_revision_or_patch_manifest_apart_is_named(tmp_path: Path, nodes: dict
     ) in run.stdout
     assert "vLLM patch manifest sha256 (vllm_patches): spark-a has '" in run.stdout
     assert "PLE table fingerprint" not in run.stdout.split("disagree, so neither starts")[1]
+
+
+def test_a_node_whose_link_is_not_ready_is_refused_naming_host_thing_and_fix(
+    tmp_path: Path, nodes: dict
+) -> None:
+    # the worker's link at MTU 1500; the head pins a GID index that is not its link's entry
+    run = run_pair(tmp_path, nodes["A"], nodes["A2"], link={
+        "spark-b": lambda tree: {"preflight_pair_link_check_args":
+                                 link_tree(tree, LINK["spark-b"], 2, mtu=1500)},
+        "spark-a": {"sparkple_pair_ib_gid_index": 3}})  # fmt: skip
+    assert run.returncode != 0
+    fatal = {h: [ln for ln in run.stdout.splitlines() if ln.startswith(f"fatal: [{h}]")]
+             for h in ("spark-a", "spark-b")}  # fmt: skip
+    assert (
+        "pair p1: spark-b: link interface lo has MTU 1500, not 9000: set MTU 9000 on both "
+        "nodes' link" in fatal["spark-b"][0]
+    ), run.stdout[-4000:]
+    assert (
+        "pair p1: spark-a: sparkple_pair_ib_gid_index is 3 (that entry is empty), but the RoCE "
+        "v2 GID of 127.0.0.10 on lo is at index 5: remove sparkple_pair_ib_gid_index"
+    ) in fatal["spark-a"][0]
+    # neither went on to compare identities
+    assert not (tmp_path / "spark-a.json").exists() and not (tmp_path / "spark-b.json").exists()
+
+
+def test_a_node_whose_peer_is_silent_is_refused(tmp_path: Path, nodes: dict) -> None:
+    # the worker's peer address is one nobody answers on the loopback link
+    run = run_pair(tmp_path, nodes["A"], nodes["A2"],
+                   link={"spark-a": {"sparkple_pair_link_address": "192.0.2.10"}})  # fmt: skip
+    assert run.returncode != 0
+    assert "pair p1: spark-b: the peer 192.0.2.10 does not answer over lo" in run.stdout
 
 
 def test_a_node_without_its_peer_in_the_run_is_refused(tmp_path: Path, nodes: dict) -> None:

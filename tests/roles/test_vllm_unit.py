@@ -116,20 +116,53 @@ def test_each_node_of_the_pair_gets_its_flags_env_and_devices(units: dict[str, s
     assert "--ulimit" in worker and pairs(worker, "--ulimit") == ["stack=67108864", "memlock=-1"]
     env = {h: dict(e.split("=", 1) for e in pairs(exec_start(units[h]), "--env")) for h in units}
     link = ("NCCL", "GLOO", "VLLM_")
+    # IB forced (a missing IB path fails NCCL's init), its init lines logged for the head's
+    # check; no GID index on the command line: the link check finds it at each start
     assert {k: v for k, v in env["spark-b"].items() if k.startswith(link)} == {
         "VLLM_HOST_IP": WORKER_IP,
         "NCCL_SOCKET_IFNAME": "enp1s0f1np1",
         "GLOO_SOCKET_IFNAME": "enp1s0f1np1",
+        "NCCL_NET": "IB",
+        "NCCL_IB_DISABLE": "0",
         "NCCL_IB_HCA": "roceP2p1s0f1",
-        "NCCL_IB_GID_INDEX": "1",
+        "NCCL_DEBUG": "INFO",
+        "NCCL_DEBUG_SUBSYS": "INIT,NET",
     }  # fmt: skip
     assert (env["spark-a"]["VLLM_HOST_IP"], env["spark-a"]["NCCL_IB_HCA"]) == (
         HEAD_IP,
         "rocep1s0f1",
     )
-    assert env["spark-a"]["NCCL_IB_GID_INDEX"] == "3"
+    assert "NCCL_IB_GID_INDEX" not in env["spark-a"]
     assert "# Pair p1: the worker (rank 1; head spark-a, worker spark-b)." in units["spark-b"]
     assert "Budget" in units["spark-a"] and "Per rank (rank 0 of 2" in units["spark-a"]
+
+
+def exec_start_pre(unit: str) -> list[list[str]]:
+    """Each ExecStartPre= command's words, unquoted as systemd does."""
+    lines = re.findall(r"^ExecStartPre=(.*)$", unit, re.M)
+    return [exec_start(f"ExecStart={line}\n") for line in lines]
+
+
+def test_each_node_checks_its_link_before_each_start(units: dict[str, str]) -> None:
+    checks = {h: [c for c in exec_start_pre(units[h]) if "pair-link-check" in c] for h in units}
+    assert checks["spark-c"] == [] and "pair-link-check" not in units["spark-c"]
+    (worker,) = checks["spark-b"]
+    env_file = "/run/sparkple-vllm-link.env"
+    # the check runs after the memory gate, with this node's side of the link and the pinned
+    # index to verify; the index it finds reaches docker through its env file
+    assert worker[worker.index("pair-link-check") :] == [
+        "pair-link-check", "--host=spark-b", "--interface=enp1s0f1np1",
+        f"--address={WORKER_IP}", f"--peer-address={HEAD_IP}", "--peer-port=29501",
+        "--mtu=9000", "--transport=ib", "--ib-hca=roceP2p1s0f1", "--gid-index=1",
+        f"--env-file={env_file}",
+    ]  # fmt: skip
+    (head,) = checks["spark-a"]
+    assert f"--peer-address={WORKER_IP}" in head and not [w for w in head if "gid-index" in w]
+    pre = re.findall(r"^ExecStartPre=.*?(launch-gate|pair-link-check)", units["spark-a"], re.M)
+    assert pre == ["launch-gate", "pair-link-check"]
+    for host in ("spark-a", "spark-b"):
+        assert pairs(exec_start(units[host]), "--env-file")[-1] == env_file
+    assert len(pairs(exec_start(units["spark-c"]), "--env-file")) == 1
 
 
 def test_a_single_spark_unit_has_nothing_of_a_pair(units: dict[str, str]) -> None:
@@ -143,7 +176,8 @@ def test_a_single_spark_unit_has_nothing_of_a_pair(units: dict[str, str]) -> Non
     # the head's unit is the single Spark's plus the pair's words, its own budget aside
     head = exec_start(units["spark-a"])
     pair_env = [e for e in pairs(head, "--env") if e.startswith(("NCCL", "GLOO", "VLLM_HOST"))]
-    added = [["--device", "/dev/infiniband"], *(["--env", e] for e in pair_env),
+    added = [["--device", "/dev/infiniband"], ["--env-file", "/run/sparkple-vllm-link.env"],
+             *(["--env", e] for e in pair_env),
              ["--tensor-parallel-size=2", "--nnodes=2", "--node-rank=0",
               f"--master-addr={HEAD_IP}", "--master-port=29501"]]  # fmt: skip
     assert budgetless(without(head, added)) == budgetless(single)

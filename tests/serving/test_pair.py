@@ -48,15 +48,46 @@ def test_a_pair_gives_each_node_its_flags_and_its_own_link() -> None:
     assert pair.vllm_args("spark-b") == [*common, "--node-rank=1", *rendezvous, "--headless"]
     assert pair.env("spark-a")["VLLM_HOST_IP"] == "192.168.100.10"
     worker_env = pair.env("spark-b")
+    # IB by default, forced (no silent socket fallback), with NCCL's init lines logged; the GID
+    # index is not in the env: the link check finds it at each start (its env file)
     assert worker_env == {
         "VLLM_HOST_IP": "192.168.100.11",
         "NCCL_SOCKET_IFNAME": "enp1s0f1np1",
         "GLOO_SOCKET_IFNAME": "enp1s0f1np1",
+        "NCCL_NET": "IB",
+        "NCCL_IB_DISABLE": "0",
         "NCCL_IB_HCA": "roceP2p1s0f1",
-        "NCCL_IB_GID_INDEX": "1",
+        "NCCL_DEBUG": "INFO",
+        "NCCL_DEBUG_SUBSYS": "INIT,NET",
     }
     assert pair.describe("spark-a")["peer"] == "spark-b"
     assert pair.describe("spark-b")["role"] == "worker"
+    assert pair.describe("spark-b")["transport"] == "ib"
+    # the link check verifies the worker's pinned index and finds the head's
+    assert pair.link_check_args("spark-b") == [
+        "--host=spark-b", "--interface=enp1s0f1np1", "--address=192.168.100.11",
+        "--peer-address=192.168.100.10", "--peer-port=29501", "--mtu=9000", "--transport=ib",
+        "--ib-hca=roceP2p1s0f1", "--gid-index=1",
+    ]  # fmt: skip
+    assert pair.link_check_args("spark-a")[-1] == "--ib-hca=rocep1s0f1"
+
+
+def test_a_socket_pair_is_chosen_explicitly_and_disables_ib() -> None:
+    hosts = {
+        h: {**hv, "sparkple_pair_transport": "socket", "sparkple_pair_link_mtu": 1500}
+        for h, hv in inventory().items()
+        if hv
+    }
+    del hosts["spark-a"]["sparkple_pair_ib_hca"]  # no RDMA device to name
+    pair = pair_of(hosts, "spark-a")
+    assert pair is not None
+    env = pair.env("spark-a")
+    assert (env["NCCL_NET"], env["NCCL_IB_DISABLE"]) == ("Socket", "1")
+    assert "NCCL_IB_HCA" not in env and "NCCL_IB_GID_INDEX" not in env
+    assert env["NCCL_DEBUG_SUBSYS"] == "INIT,NET"
+    args = pair.link_check_args("spark-a")
+    assert "--transport=socket" in args and "--mtu=1500" in args
+    assert not [a for a in args if a.startswith(("--ib-hca", "--gid-index"))]
 
 
 @pytest.mark.parametrize(
@@ -75,6 +106,22 @@ def test_a_pair_gives_each_node_its_flags_and_its_own_link() -> None:
         (
             {"spark-b": node(1, "192.168.100.11", sparkple_pair_ib_gid_index="x")},
             "spark-b: sparkple_pair_ib_gid_index is 'x'",
+        ),
+        (
+            {"spark-b": node(1, "192.168.100.11", sparkple_pair_transport="tcp")},
+            "spark-b: sparkple_pair_transport is 'tcp': use ib",
+        ),
+        (
+            {"spark-b": node(1, "192.168.100.11", sparkple_pair_transport="socket")},
+            "sparkple_pair_transport is ib on spark-a and socket on spark-b",
+        ),
+        (
+            {"spark-b": node(1, "192.168.100.11", sparkple_pair_link_mtu=1500)},
+            "sparkple_pair_link_mtu is 9000 on spark-a and 1500 on spark-b",
+        ),
+        (
+            {"spark-b": node(1, "192.168.100.11", sparkple_pair_ib_hca="")},
+            "spark-b is in pair 'p1' but sparkple_pair_ib_hca is not set",
         ),
     ],
 )
