@@ -17,6 +17,7 @@ from .errors import EXIT_CHECK_FAILED, SparkpleError
 COMMANDS: dict[str, str] = {
     "serving-plan": "sparkple.serving.cli",
     "launch-gate": "sparkple.serving.cli",
+    "pair-check": "sparkple.serving.paircheck",
     "snapshot-manifest": "sparkple.manifest",
     "synth-checkpoint": "sparkple.builder.synth",
     "build-table": "sparkple.builder.tablecli",
