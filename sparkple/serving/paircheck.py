@@ -177,13 +177,22 @@ def measure(settings: Settings) -> dict[str, Any]:  # pragma: no cover - run by 
         torch.cuda.set_device(device)
     from datetime import timedelta
 
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{settings.master_addr}:{settings.master_port}",
-        rank=settings.rank,
-        world_size=TP_SIZE,
-        timeout=timedelta(seconds=settings.timeout_s),
-    )
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{settings.master_addr}:{settings.master_port}",
+            rank=settings.rank,
+            world_size=TP_SIZE,
+            timeout=timedelta(seconds=settings.timeout_s),
+        )
+    except (RuntimeError, OSError) as exc:  # torch's DistStoreError is a RuntimeError
+        other = "the worker (rank 1)" if settings.rank == HEAD else "the head (rank 0)"
+        raise ServingError(
+            f"{settings.who()}: rank {settings.rank} did not meet {other} within "
+            f"{settings.timeout_s:g} s ({type(exc).__name__}: {str(exc).splitlines()[0]}): start "
+            "both ranks together, and check the head's link address, the port (free, not "
+            "firewalled) and GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME"
+        ) from None
 
     def sync() -> None:
         if device.type == "cuda":

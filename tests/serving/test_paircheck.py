@@ -1,0 +1,195 @@
+"""`sparkple pair-check` between two real processes over gloo on this machine's loopback: the
+rendezvous, the timed all-reduces, the table, the JSON, the floor's refusal and the bad input.
+
+torch (CPU) is in the tools venv; without it the rank processes fail, and the test with them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparkple.cli import main as cli_main
+from sparkple.serving.paircheck import MIB, Figure, bus_factor
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(rank: int, port: int, *args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo"}
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "sparkple.cli", "pair-check", f"--rank={rank}"]
+    cmd += ["--master-addr=127.0.0.1", f"--master-port={port}", "--timeout-s=60"]
+    cmd += ["--pair=duo", "--head=duo-head", "--worker=duo-worker", *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def run_pair(args0: list[str], args1: list[str]) -> list[tuple[int, str, str]]:
+    """Both ranks started before either is waited for (they rendezvous)."""
+    port = free_port()
+    procs = [start(0, port, *args0), start(1, port, *args1)]
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        results.append((proc.returncode, out, err))
+    return results
+
+
+QUICK = ["--max-mib=4", "--warmup=1", "--iters=3"]
+
+
+def test_two_ranks_measure_every_size_and_print_the_table_and_json(tmp_path: Path) -> None:
+    json_out = tmp_path / "pair-check.json"
+    # rank 0 prints JSON (and writes it), rank 1 prints the table: both outputs in one run
+    (rc0, out0, err0), (rc1, out1, err1) = run_pair(
+        [*QUICK, "--transport=socket", "--json", f"--json-out={json_out}"],
+        [*QUICK, "--transport=socket"],
+    )
+    assert rc0 == 0, err0
+    assert rc1 == 0, err1
+    result = json.loads(out0)
+    assert json.loads(json_out.read_text()) == result
+    assert result["backend"] == "gloo" and result["device"] == "cpu"
+    assert (result["pair"], result["head"], result["worker"]) == ("duo", "duo-head", "duo-worker")
+    assert result["transport"] == "socket" and result["floor_gbps"] == 0
+    assert result["ok"] is True
+    figures = result["figures"]
+    assert [f["size_bytes"] for f in figures] == [1 * MIB, 2 * MIB, 4 * MIB]
+    for f in figures:
+        assert f["time_us"] > 0
+        # nccl-tests: algbw = S / t, busbw = algbw * 2(n-1)/n (n = 2: the same figure)
+        assert f["algbw_gbps"] == pytest.approx(f["size_bytes"] / (f["time_us"] / 1e6) / 1e9)
+        assert f["busbw_gbps"] == pytest.approx(f["algbw_gbps"] * 2 * (2 - 1) / 2)
+    assert result["peak_busbw_gbps"] == max(f["busbw_gbps"] for f in figures)
+    # the table: a header and one row per size, with its size and figures as printed
+    table = result["table"]
+    assert len(table) == 1 + len(figures) and "busbw (GB/s)" in table[0]
+    for row, f in zip(table[1:], figures, strict=True):
+        words = row.split()
+        assert int(words[0]) == f["size_bytes"]
+        assert float(words[-1]) == pytest.approx(f["busbw_gbps"], abs=1e-3)
+    # rank 1 printed the same table (both ranks take the slower rank's time) and the verdict
+    lines = out1.splitlines()
+    assert lines[: len(table)] == table
+    assert "peak bus bandwidth" in lines[-1] and "at or above the floor of 0 GB/s" in lines[-1]
+
+
+def test_a_peak_below_the_floor_is_refused_naming_the_pair_the_figure_and_the_floor(
+    tmp_path: Path,
+) -> None:
+    json_out = tmp_path / "refused.json"
+    floor = "--floor-gbps=100000"  # far above any loopback: the refusal, whatever this machine
+    (rc0, out0, err0), (rc1, _, err1) = run_pair(
+        [*QUICK, floor, "--json", f"--json-out={json_out}"], [*QUICK, floor]
+    )
+    assert (rc0, rc1) == (1, 1), (err0, err1)
+    result = json.loads(out0)
+    assert result["ok"] is False and result["floor_gbps"] == 100000
+    assert json.loads(json_out.read_text())["ok"] is False  # the figures are kept all the same
+    for err in (err0, err1):
+        message = err.strip().splitlines()[-1]
+        assert message.startswith("sparkple pair-check: pair duo: duo-head (rank 0) and duo-worker")
+        assert f"peak bus bandwidth {result['peak_busbw_gbps']:.2f} GB/s" in message
+        assert "below the floor of 100000 GB/s for transport ib" in message
+        assert "NCCL_IB_HCA" in message and "sparkple_pair_transport: socket" in message
+
+
+def test_a_rank_whose_peer_never_comes_says_so() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo"}
+    cmd = [sys.executable, "-m", "sparkple.cli", "pair-check", "--rank=1", "--pair=duo"]
+    cmd += ["--master-addr=127.0.0.1", f"--master-port={free_port()}", "--timeout-s=2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+    assert done.returncode == 1
+    message = done.stderr.strip().splitlines()[-1]
+    assert "pair duo" in message and "rank 1 did not meet the head (rank 0) within 2 s" in message
+    assert "start both ranks together" in message
+
+
+def test_nccl_without_a_cuda_device_is_refused() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "sparkple.cli", "pair-check", "--rank=0", "--backend=nccl"]
+    cmd += ["--master-addr=127.0.0.1", f"--master-port={free_port()}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+    assert done.returncode == 1
+    assert "--backend nccl needs a CUDA device" in done.stderr
+
+
+@pytest.fixture(autouse=True)
+def no_rendezvous_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def cli(*args: str) -> tuple[int, str]:
+    """`sparkple pair-check ARGS` in this process: the input is checked before torch loads."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = cli_main(["pair-check", *args])
+    return rc, err.getvalue()
+
+
+GOOD = ["--rank=0", "--master-addr=10.0.0.1", "--master-port=29511"]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--rank=2", *GOOD[1:]], "--rank 2: use 0 on the head and 1 on the worker"),
+        ([*GOOD[:2], "--master-port=70000"], "--master-port 70000 is not a TCP port"),
+        ([*GOOD, "--max-mib=3"], "--max-mib 3: use a power of two"),
+        ([*GOOD, "--min-mib=0"], "--min-mib 0: use a power of two"),
+        ([*GOOD, "--min-mib=8", "--max-mib=4"], "--min-mib 8 is above --max-mib 4"),
+        ([*GOOD, "--max-mib=2048"], "--max-mib 2048: at most 1024"),
+        ([*GOOD, "--iters=0"], "1 or more timed ones"),
+        ([*GOOD, "--backend=mpi"], "--backend mpi: use one of auto, nccl, gloo"),
+        ([*GOOD, "--transport=tcp"], "--transport tcp: use one of ib, socket"),
+        ([*GOOD, "--floor-gbps=-1"], "--floor-gbps -1.0: use 0 (no floor) or more"),
+        (["--rank=0", "--master-port=29511"], "pair-check needs --rank"),
+    ],
+)
+def test_bad_input_is_refused_naming_the_flag(args: list[str], says: str) -> None:
+    rc, err = cli(*args)
+    assert rc == 1
+    assert says in err, err
+
+
+def test_the_environment_stands_in_for_the_flags_and_is_checked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    monkeypatch.setenv("RANK", "one")
+    rc, err = cli()
+    assert rc == 1 and "RANK='one' in the environment: use a whole number" in err
+    monkeypatch.setenv("RANK", "1")
+    rc, err = cli("--max-mib=5")
+    assert rc == 1 and "--max-mib 5: use a power of two" in err  # got past the rendezvous flags
+
+
+def test_bus_bandwidth_is_nccl_tests_all_reduce_correction() -> None:
+    assert bus_factor(2) == 1.0
+    assert bus_factor(8) == pytest.approx(1.75)
+    f = Figure.of(256 * MIB, 0.02, ranks=4)
+    assert f.algbw_gbps == pytest.approx(256 * MIB / 0.02 / 1e9)
+    assert f.busbw_gbps == pytest.approx(f.algbw_gbps * 1.5)
+    assert f.time_us == pytest.approx(20_000)
