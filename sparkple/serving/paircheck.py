@@ -338,8 +338,3 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--json-out", default="", help="also write the JSON result to this file")
     p.set_defaults(func=_run)
 
-
-if __name__ == "__main__":  # pragma: no cover - in the serving image: python3 -m ...
-    from ..cli import main as cli_main
-
-    sys.exit(cli_main(["pair-check", *sys.argv[1:]]))

@@ -10,6 +10,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -193,3 +194,120 @@ def test_bus_bandwidth_is_nccl_tests_all_reduce_correction() -> None:
     assert f.algbw_gbps == pytest.approx(256 * MIB / 0.02 / 1e9)
     assert f.busbw_gbps == pytest.approx(f.algbw_gbps * 1.5)
     assert f.time_us == pytest.approx(20_000)
+
+
+# --- the playbook: both ranks at once on two hosts of a real ansible-playbook run -------------
+
+
+def ansible_playbook() -> str:
+    beside = Path(sys.executable).parent / "ansible-playbook"
+    found = str(beside) if beside.exists() else shutil.which("ansible-playbook")
+    assert found, "ansible-playbook is not installed: run .ci/setup-venv"
+    return found
+
+
+def pair_inventory(tmp_path: Path) -> dict[str, Path]:
+    """A pair of two local hosts (127.0.0.1 and 127.0.0.2 on lo), each with its own release
+    directory holding release r1 as `current`; returns each host's release directory."""
+    releases = {}
+    for host in ("duo-head", "duo-worker"):
+        release = tmp_path / host / "releases"
+        (release / "r1").mkdir(parents=True)
+        (release / "r1" / "release.json").write_text(
+            json.dumps({"id": "r1", "inputs": {"image": "lab-host-python3:/none"}})
+        )
+        (release / "current").symlink_to("r1")
+        releases[host] = release
+    node = {
+        "ansible_connection": "local",
+        "ansible_python_interpreter": sys.executable,
+        "ansible_become": False,
+        "sparkple_pair": "duo",
+        "sparkple_pair_link_interface": "lo",
+        "sparkple_pair_master_port": free_port() - 10,  # the check's port: master port + 10
+    }
+    hosts = {
+        "duo-head": {**node, "sparkple_pair_rank": 0, "sparkple_pair_link_address": "127.0.0.1",
+                     "sparkple_pair_ib_hca": "rocep1s0f1",
+                     "sparkple_release_dir": str(releases["duo-head"])},
+        "duo-worker": {**node, "sparkple_pair_rank": 1, "sparkple_pair_link_address": "127.0.0.2",
+                       "sparkple_pair_ib_hca": "roceP2p1s0f1",
+                       "sparkple_release_dir": str(releases["duo-worker"])},
+    }  # fmt: skip
+    inventory = tmp_path / "inventory.json"
+    inventory.write_text(json.dumps({"all": {"children": {"sparks": {"hosts": hosts}}}}))
+    return releases
+
+
+def play(tmp_path: Path, *args: str, **knobs: object) -> subprocess.CompletedProcess[str]:
+    """playbooks/pair_check.yml on pair_inventory's hosts, the ranks run by this Python (the
+    lab's way: no image), with small sizes; one fork: each rank is started before either is
+    waited for, so they meet all the same."""
+    variables = {
+        "sparkple_pair_check_launcher": ["/usr/bin/env", f"PYTHONPATH={ROOT}", sys.executable],
+        "sparkple_pair_check_max_mib": 2,
+        "sparkple_pair_check_warmup": 1,
+        "sparkple_pair_check_iters": 2,
+        "sparkple_pair_check_timeout_s": 60,
+        **knobs,
+    }
+    env = {**os.environ, "ANSIBLE_ROLES_PATH": str(ROOT / "roles"), "ANSIBLE_FORKS": "1"}
+    env.pop("ANSIBLE_CONFIG", None)
+    cmd = [ansible_playbook(), "-i", str(tmp_path / "inventory.json"), *args]
+    cmd += [str(ROOT / "playbooks" / "pair_check.yml"), "-e", json.dumps(variables)]
+    return subprocess.run(
+        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+
+
+def kept(releases: dict[str, Path]) -> dict[str, dict]:
+    """The figures each host kept with its release."""
+    return {
+        host: json.loads(path.read_text())
+        for host, release in releases.items()
+        if (path := release / "r1" / "pair-check.json").exists()
+    }
+
+
+def test_the_playbook_runs_both_ranks_prints_the_table_and_keeps_the_figures(
+    tmp_path: Path,
+) -> None:
+    # one fork: the ranks still meet, as each is started before either is waited for
+    releases = pair_inventory(tmp_path)
+    done = play(tmp_path, sparkple_pair_transport="socket")
+    assert done.returncode == 0, done.stdout + done.stderr
+    figures = kept(releases)
+    assert set(figures) == {"duo-head", "duo-worker"}
+    head, worker = figures["duo-head"], figures["duo-worker"]
+    assert (head["rank"], worker["rank"]) == (0, 1)
+    assert head["figures"] == worker["figures"] and head["transport"] == "socket"
+    assert head["master"].startswith("127.0.0.1:")
+    assert "pair duo: all-reduce between duo-head and duo-worker (gloo, transport socket)" in (
+        done.stdout
+    )
+    for row in head["table"]:
+        assert row in done.stdout  # the head's table, printed as measured
+
+
+def test_the_playbook_fails_both_nodes_below_the_floor_and_still_keeps_the_figures(
+    tmp_path: Path,
+) -> None:
+    releases = pair_inventory(tmp_path)
+    done = play(tmp_path, sparkple_pair_check_floor_gbps=100000)
+    assert done.returncode != 0
+    figures = kept(releases)
+    assert set(figures) == {"duo-head", "duo-worker"}
+    assert figures["duo-head"]["ok"] is False and figures["duo-head"]["transport"] == "ib"
+    assert "below the floor of 100000 GB/s" in figures["duo-head"]["message"]
+    assert done.stdout.count("below the floor of 100000 GB/s for transport ib") >= 2
+    assert "failed=1" in done.stdout.split("PLAY RECAP")[-1].replace(" ", "")
+
+
+def test_the_playbook_refuses_a_pair_with_one_node_left_out(tmp_path: Path) -> None:
+    releases = pair_inventory(tmp_path)
+    alone = play(tmp_path, "-l", "duo-head", sparkple_pair_transport="socket")
+    assert alone.returncode != 0
+    assert "duo-head is in pair duo but its peer duo-worker is not in this run's batch" in (
+        alone.stdout
+    )
+    assert kept(releases) == {}  # refused before any rank started
