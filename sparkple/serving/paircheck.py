@@ -162,8 +162,14 @@ def verdict(settings: Settings, figures: list[Figure], backend: str = "nccl") ->
 def measure(settings: Settings) -> dict[str, Any]:  # pragma: no cover - run by the tests' ranks
     """Rendezvous with the other rank and time the all-reduces; the slower rank's time of each
     size is every rank's figure (an all-reduce ends for both when the slower one is done)."""
-    import torch
-    import torch.distributed as dist
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as exc:
+        raise ServingError(
+            f"{settings.who()}: rank {settings.rank} cannot import torch ({exc}): run the check "
+            "in the serving image, or with a Python that has torch (sparkple_pair_check_launcher)"
+        ) from None
 
     cuda = torch.cuda.is_available()
     backend = settings.backend if settings.backend != "auto" else ("nccl" if cuda else "gloo")
@@ -337,4 +343,3 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--json", action="store_true", help="print the result as one line of JSON")
     p.add_argument("--json-out", default="", help="also write the JSON result to this file")
     p.set_defaults(func=_run)
-

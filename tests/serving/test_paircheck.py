@@ -244,7 +244,9 @@ def play(tmp_path: Path, *args: str, **knobs: object) -> subprocess.CompletedPro
     lab's way: no image), with small sizes; one fork: each rank is started before either is
     waited for, so they meet all the same."""
     variables = {
-        "sparkple_pair_check_launcher": ["/usr/bin/env", f"PYTHONPATH={ROOT}", sys.executable],
+        # the lab fleet's launcher (docs/tensor-parallel.md), with this Python as the host's
+        "sparkple_host_python": f"/usr/bin/env PYTHONPATH={ROOT} {sys.executable}",
+        "sparkple_pair_check_launcher": "{{ sparkple_host_python | split }}",
         "sparkple_pair_check_max_mib": 2,
         "sparkple_pair_check_warmup": 1,
         "sparkple_pair_check_iters": 2,
@@ -311,3 +313,16 @@ def test_the_playbook_refuses_a_pair_with_one_node_left_out(tmp_path: Path) -> N
         alone.stdout
     )
     assert kept(releases) == {}  # refused before any rank started
+
+
+def test_a_python_without_torch_is_named_with_the_fix(tmp_path: Path) -> None:
+    shadow = tmp_path / "torch"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('no torch in this Python')\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    cmd = [sys.executable, "-m", "sparkple.cli", "pair-check", "--rank=0", "--pair=duo"]
+    cmd += ["--master-addr=127.0.0.1", f"--master-port={free_port()}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+    assert done.returncode == 1
+    assert "rank 0 cannot import torch (no torch in this Python)" in done.stderr
+    assert "sparkple_pair_check_launcher" in done.stderr
