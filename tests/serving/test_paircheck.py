@@ -326,3 +326,19 @@ def test_a_python_without_torch_is_named_with_the_fix(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert "rank 0 cannot import torch (no torch in this Python)" in done.stderr
     assert "sparkple_pair_check_launcher" in done.stderr
+
+
+def test_the_module_imports_only_the_standard_library_until_it_measures() -> None:
+    # sparkple.serving is imported by host programs on a bare python3: torch loads in measure()
+    code = (
+        "import json, sys\n"
+        "import sparkple.cli, sparkple.serving.paircheck\n"
+        "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", code],
+        capture_output=True, text=True, env={"PYTHONPATH": str(ROOT)}, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    foreign = set(json.loads(done.stdout)) - sys.stdlib_module_names - {"sparkple", "__main__"}
+    assert not foreign, f"sparkple.serving.paircheck imports {sorted(foreign)}"
