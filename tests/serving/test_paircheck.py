@@ -239,7 +239,9 @@ def pair_inventory(tmp_path: Path) -> dict[str, Path]:
     return releases
 
 
-def play(tmp_path: Path, *args: str, **knobs: object) -> subprocess.CompletedProcess[str]:
+def play(
+    tmp_path: Path, *args: str, path: str = "", **knobs: object
+) -> subprocess.CompletedProcess[str]:
     """playbooks/pair_check.yml on pair_inventory's hosts, the ranks run by this Python (the
     lab's way: no image), with small sizes; one fork: each rank is started before either is
     waited for, so they meet all the same."""
@@ -253,7 +255,9 @@ def play(tmp_path: Path, *args: str, **knobs: object) -> subprocess.CompletedPro
         "sparkple_pair_check_timeout_s": 60,
         **knobs,
     }
+    variables = {k: v for k, v in variables.items() if v is not None}  # None: left to default
     env = {**os.environ, "ANSIBLE_ROLES_PATH": str(ROOT / "roles"), "ANSIBLE_FORKS": "1"}
+    env["PATH"] = f"{path}:{env['PATH']}" if path else env["PATH"]
     env.pop("ANSIBLE_CONFIG", None)
     cmd = [ansible_playbook(), "-i", str(tmp_path / "inventory.json"), *args]
     cmd += [str(ROOT / "playbooks" / "pair_check.yml"), "-e", json.dumps(variables)]
@@ -289,6 +293,59 @@ def test_the_playbook_runs_both_ranks_prints_the_table_and_keeps_the_figures(
     )
     for row in head["table"]:
         assert row in done.stdout  # the head's table, printed as measured
+
+
+FAKE_DOCKER = """#!/bin/sh
+# docker as the check's default launcher calls it: `rm` answers there is nothing to remove;
+# `run` records its argv, then runs what follows the image with the test's Python
+echo "$@" >> "$FAKE_DOCKER_LOG"
+[ "$1" = rm ] && exit 1
+while [ "$1" != "lab-image@sha256:0123" ]; do shift; done
+shift
+exec env PYTHONPATH="$FAKE_DOCKER_ROOT" "$FAKE_DOCKER_PYTHON" "$@"
+"""
+
+
+def test_the_default_launcher_runs_the_release_image_with_the_pair_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    releases = pair_inventory(tmp_path)
+    for release in releases.values():
+        meta = release / "r1" / "release.json"
+        meta.write_text(json.dumps({"id": "r1", "inputs": {"image": "lab-image@sha256:0123"}}))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text(FAKE_DOCKER)
+    (bin_dir / "docker").chmod(0o755)
+    log = tmp_path / "docker.log"
+    monkeypatch.setenv("FAKE_DOCKER_LOG", str(log))
+    monkeypatch.setenv("FAKE_DOCKER_ROOT", str(ROOT))
+    monkeypatch.setenv("FAKE_DOCKER_PYTHON", sys.executable)
+    done = play(
+        tmp_path,
+        path=str(bin_dir),
+        sparkple_pair_check_launcher=None,
+        sparkple_pair_check_docker_options=[],  # no GPU here; the rest as on a Spark
+        sparkple_pair_transport="socket",
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    calls = log.read_text().splitlines()
+    assert calls.count("rm --force sparkple-pair-check") == 2
+    runs = [c.split() for c in calls if c.startswith("run ")]
+    assert len(runs) == 2
+    for argv in runs:
+        image = argv.index("lab-image@sha256:0123")
+        options = argv[:image]
+        assert {"--rm", "--network=host", "--ipc=host", "--entrypoint=python3"} <= set(options)
+        assert "--volume=/opt/sparkple:/opt/sparkple:ro" in options  # the package, read-only
+        for name in ("VLLM_HOST_IP", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_HCA"):
+            assert f"--env={name}" in options  # by name: docker takes the task's value
+        assert argv[image + 1 : image + 4] == ["-m", "sparkple.cli", "pair-check"]
+    assert {next(a for a in argv if a.startswith("--rank=")) for argv in runs} == {
+        "--rank=0",
+        "--rank=1",
+    }
+    assert set(kept(releases)) == {"duo-head", "duo-worker"}
 
 
 def test_the_playbook_fails_both_nodes_below_the_floor_and_still_keeps_the_figures(
