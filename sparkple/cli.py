@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "launch-gate": "sparkple.serving.cli",
     "pair-link-check": "sparkple.serving.linkcli",
     "pair-transport": "sparkple.serving.linkcli",
+    "pair-check": "sparkple.serving.paircheck",
     "snapshot-manifest": "sparkple.manifest",
     "synth-checkpoint": "sparkple.builder.synth",
     "build-table": "sparkple.builder.tablecli",
