@@ -1,7 +1,10 @@
 # The fleet scenario's light lab host: the lab target's systemd plus the stand-in serving image's
 # Python packages (numpy, the real vLLM 0.33.0 sources) and the lab server, so the server runs
-# directly under systemd from a release's files instead of in a nested engine.
+# directly under systemd from a release's files instead of in a nested engine; and CPU torch
+# (.ci/lab-fleet-image puts its wheels' files in the build context), for the pair's link
+# benchmark with gloo.
 FROM local/sparkple-lab-target:bookworm
 LABEL org.sparkple.lab="fleet-host"
 COPY --from=local/sparkple-lab-serving:vllm-0.33.0 /usr/local/lib/python3.11/dist-packages/ /usr/local/lib/python3.11/dist-packages/
 COPY --from=local/sparkple-lab-serving:vllm-0.33.0 /opt/sparkple-lab/ /opt/sparkple-lab/
+COPY torch-site-packages/ /usr/local/lib/python3.11/dist-packages/
