@@ -19,12 +19,13 @@ import pytest
 from lab_inputs import free_port
 from ops_helpers import ROOT, above_real_memory, program, read_json, wait_for, watchdog_cmd
 
-from sparkple.ops.pairlink import PAIR_FIELDS
+from sparkple.ops.pairlink import PAIR_FIELDS, PairLink
 from sparkple.ops.state import PAIR_BROKEN, SUPERVISOR_STATES, count_markers
 
 UNITS = Path(__file__).with_name("pair_units.py")
 BASE = 0.5  # backoff base (s)
 READY_S = 10.0
+KEY = b"lab-pair-key-0123456789abcdef"
 
 
 class Node:
@@ -41,6 +42,15 @@ class Node:
         (self.unit / "port").write_text(f"{self.port}\n")
         self.link = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.key = root / f"pair-{role}.key"  # the pair's shared key, as the role writes it
+        self.key.write_bytes(KEY + b"\n")
+        self.release = root / f"release-{role}.json"  # the current release.json
+        self.set_release("r1")
+
+    def set_release(self, release: str, patches: str = "p1") -> None:
+        self.release.write_text(
+            json.dumps({"id": release, "inputs": {"patch_manifest_sha256": patches}})
+        )
 
     def cmd(self, command: str) -> str:
         return f"'{sys.executable}' -S '{UNITS}' {command} '{self.unit}'"
@@ -75,6 +85,8 @@ class Node:
             "--pair-listen", f"127.0.0.1:{self.link}",
             "--pair-peer-url", f"http://127.0.0.1:{peer.link}",
             "--pair-peer-timeout-s", 2,
+            "--pair-key-file", self.key,
+            "--release-file", self.release,
             *(("--url", self.url) if self.role == "head" else ()),
             *extra,
         )  # fmt: skip
@@ -87,8 +99,10 @@ class Node:
         return [h for h in history if h["event"] == name and h["time"] >= since]
 
     def side(self) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.link}/pair", timeout=5) as r:
-            return json.loads(r.read())
+        """Its /pair answer, read and verified as its peer reads it."""
+        answer = PairLink(f"127.0.0.1:{free_port()}", f"http://127.0.0.1:{self.link}", KEY).fetch()
+        assert answer.side is not None, answer.error
+        return answer.side
 
     def ops(self, *args: object) -> subprocess.CompletedProcess:
         return subprocess.run(
