@@ -162,10 +162,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 f"{args.pair_host}: --pair-rank needs --pair-key-file: the pair link is "
                 "authenticated; set serving_supervisor_pair_key in the inventory's vault"
             )
-        try:
-            read_key(args.pair_key_file)
-        except ValueError as exc:
-            p.error(f"{args.pair_host}: {exc}")
     return args
 
 
@@ -186,6 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "incident":
         print(write_marker(args.state_dir, args.kind, time.time(), {"reason": args.reason}))
         return 0
+    if getattr(args, "pair_rank", None) is not None:
+        try:
+            read_key(args.pair_key_file)  # here, not in parse_args: the flags parse anywhere
+        except ValueError as exc:
+            print(f"ple-supervisor: error: {args.pair_host}: {exc}", file=sys.stderr)
+            return 2
     supervisor = make_supervisor(args)
     if args.command == "reset":
         return supervisor.reset()
