@@ -9,15 +9,21 @@ So each supervisor serves its side on the pair link (sparkple.ops.pairlink) and 
     new `generation` with `want_worker` set; the head's unit starts only once the worker reports
     its unit active for that generation (worker first), and the readiness deadline runs from
     the generation's start, so a worker that never joins is a failed launch. When either unit
-    goes down (or the worker's supervisor stays unreachable past --pair-peer-timeout-s) while
-    the pair is up, it stops the head at once, drops `want_worker`, writes one `pair-broken`
-    marker (the pair's breaker counts these alone, whatever stopped it, on either node) and
-    relaunches both after the backoff, once the worker reports its unit down;
+    goes down while the pair is up, it stops the head at once, drops `want_worker`, writes one
+    `pair-broken` marker (the pair's breaker counts these alone, whatever stopped it, on
+    either node) and relaunches both after the backoff, once the worker reports its unit down;
   - the worker's supervisor follows. It starts its unit when the head wants it for a
     generation its unit is not running for (a unit of an older generation is restarted: its
-    head is gone), stops it when the head no longer wants it or stays unreachable past the
-    bound, never restarts a unit that went down for the same generation (the head must see
-    the break), and counts nothing;
+    head is gone), stops it when the head no longer wants it, never restarts a unit that went
+    down for the same generation (the head must see the break), and counts nothing;
+  - a peer supervisor that does not answer (past --pair-peer-timeout-s) is no evidence that
+    its engine is down: the head stops the pair on it only while its own /health fails (after
+    the launch's readiness; a head whose worker died fails its steps, then /health), the worker
+    never (its unit active is all it knows). Both record `peer-unreachable-serving` once;
+  - a supervisor before its first check answers "starting": reachable, nothing decided on it;
+  - both sides publish their release (id and patch manifest hash, from --release-file): while
+    they differ neither launches (state mixed-release; the head does not relaunch, the worker
+    does not start), and both record `release-mismatch` naming both, until they agree;
   - the manual-stop flag on either node means hands off for the pair: neither side starts or
     stops anything. Afterwards a running pair is adopted: its generation is kept (or taken from
     the worker's) and the head is watched to readiness as after a launch, with no relaunch.
@@ -28,7 +34,9 @@ worker-unreachable, head-down, both-down; explained_by: the incident markers of 
 since the pair came up or, when it broke before, since that break: a marker explains the first
 break after it), pair-stopped (after_s: from the break until both units were down),
 launch-failed, ready-timeout, adopted, half-pair-stopped; the worker's: worker-started,
-worker-stopped (reason), adopted.
+worker-stopped (reason), adopted; both: peer-reachable, peer-unreachable, peer-mismatch (an
+answer that is not the peer's: another pair or rank, or a MAC that does not verify),
+peer-unreachable-serving (evidence), release-mismatch, release-agreed.
 """
 
 from __future__ import annotations
