@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from typing import Any
 
 from .host import run_command
@@ -314,6 +315,7 @@ class PairLeader(PairMember):
     def step(self, st: dict[str, Any], now: float) -> None:
         self.observe(st, now)
         pair = st["pair"]
+        self.after_boot(st, now)
         if self.hands_off_pair(st, now):
             # the units are the operator's now: afterwards the pair is adopted or relaunched
             pair.update(up=False, head_started=False, stopping_since=None)
@@ -365,6 +367,23 @@ class PairLeader(PairMember):
             return False
         self.serving_alone(st, now, "head unit active and its API /health 200")
         return True
+
+    def after_boot(self, st: dict[str, Any], now: float) -> None:
+        """The first check after this node booted (its boot id changed): the pair that ran before
+        is gone with the boot, not broken: no incident. Neither unit starts at boot by itself
+        (a pair node's serving unit is not enabled); this launches the pair at once, in its
+        order (worker first), with the readiness deadline."""
+        boot = read_boot_id(self.args.boot_id_file)
+        pair = st["pair"]
+        before = pair.get("boot_id")
+        pair["boot_id"] = boot
+        if before is None or boot is None or before == boot:
+            return
+        was_up = bool(pair["up"])
+        pair.update(up=False, head_started=False, want_worker=False, stopping_since=None)
+        st.update(launch_at=None, ready_at=None, healthy_since=None)
+        st.update(down_since=now, next_attempt_at=now, restarts=0)
+        self.record(st, now, "boot", pair_was_up=was_up, generation=pair["generation"])
 
     def worker_state(self, st: dict[str, Any], now: float) -> str:
         """up: its unit runs for this generation; down; unknown: unreachable for now, or its
@@ -626,6 +645,14 @@ class PairFollower(PairMember):
         stop = run_command(self.args.stop_cmd, self.values, timeout_s=self.args.stop_timeout_s)
         self.unit_active = self.running()
         self.record(st, now, "worker-stopped", reason=reason, exit=stop.returncode)
+
+
+def read_boot_id(path: Path) -> str | None:
+    """This boot's id (the kernel's random boot_id); None where it cannot be read."""
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
 
 
 def make_supervisor(args: argparse.Namespace) -> Supervisor:

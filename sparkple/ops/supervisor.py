@@ -87,6 +87,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the pair's shared key (the same on both nodes): authenticates the pair link",
     )
     pair.add_argument(
+        "--boot-id-file",
+        type=Path,
+        default=Path("/proc/sys/kernel/random/boot_id"),
+        help="this boot's id: a change is a boot (the pair relaunched in order, no incident)",
+    )
+    pair.add_argument(
         "--release-file",
         type=Path,
         help="this node's current release.json: its id and patch manifest travel on /pair",

@@ -45,6 +45,8 @@ class Node:
         self.url = f"http://127.0.0.1:{self.port}"
         self.key = root / f"pair-{role}.key"  # the pair's shared key, as the role writes it
         self.key.write_bytes(KEY + b"\n")
+        self.boot = root / f"boot-id-{role}"  # the kernel's boot_id, as the supervisor reads it
+        self.boot.write_text("boot-1\n")
         self.release = root / f"release-{role}.json"  # the current release.json
         self.set_release("r1")
 
@@ -88,6 +90,7 @@ class Node:
             "--pair-peer-timeout-s", 2,
             "--pair-key-file", self.key,
             "--release-file", self.release,
+            "--boot-id-file", self.boot,
             *(("--url", self.url) if self.role == "head" else ()),
             *extra,
         )  # fmt: skip
@@ -554,3 +557,37 @@ def test_a_worker_refuses_a_head_of_another_release(tmp_path, pair, procs):
     time.sleep(2.0)
     assert starts(tmp_path) == [] and head.events("relaunch", held) == []
     assert worker.events("worker-started") == [] and head.st()["state"] == "mixed-release"
+
+
+def test_after_a_power_cycle_the_pair_starts_in_its_order_without_an_incident(
+    tmp_path, pair, procs
+):
+    """Both nodes lose power (supervisors and units gone at once) and boot (a new boot id);
+    neither unit starts by itself (a pair node's unit is not enabled at boot). The head's
+    supervisor comes back first: it launches the pair at once, worker first, with the
+    readiness deadline, and counts no incident; a worker supervisor that comes up later
+    still joins before the head's unit starts."""
+    head, worker = pair
+    worker_sup = procs(worker.supervisor(head))
+    head_sup = procs(head.supervisor(worker))
+    up_and_ready(head, worker, "the pair launched")
+    for sup in (head_sup, worker_sup):
+        sup.kill()
+        sup.wait(10)
+    head.kill_unit()
+    worker.kill_unit()
+    for node in (head, worker):
+        node.boot.write_text("boot-2\n")
+    since = time.time()
+    procs(head.supervisor(worker))
+    [boot] = wait_for(lambda: head.events("boot", since), 10, "the boot seen")
+    assert boot["pair_was_up"] is True
+    [launch] = wait_for(lambda: head.events("relaunch", since), 10, "the launch after the boot")
+    assert launch["generation"] == 2 and launch["backoff_s"] == 0
+    time.sleep(1.5)  # the worker's node is slower to boot
+    assert not head.active(), "the head's unit waits for its worker"
+    procs(worker.supervisor(head))
+    wait_for(lambda: running(head) and head.events("ready", since), 20, "the pair serving")
+    assert starts(tmp_path) == ["worker", "head", "worker", "head"]
+    assert head.events("pair-broken") == [] and not (head.state / "markers").exists()
+    assert head.events("launch-failed") == [] and head.events("ready-timeout") == []
