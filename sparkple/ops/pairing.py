@@ -241,7 +241,13 @@ class PairMember(Supervisor):
                 patch_manifest_sha256=mine[1], peer=peer.get("host"), peer_release=theirs[0],
                 peer_patch_manifest_sha256=theirs[1], note=self.mixed,
             )  # fmt: skip
+
+    def refuse_mixed(self, st: dict[str, Any], now: float) -> None:
+        """Nothing is launched into a mixed pair; alerted when a launch is first refused (not
+        while a rollout, hands off, switches one node and then the other)."""
+        if st["state"] != "mixed-release" and self.mixed:
             self.alerter.send("release-mismatch", self.mixed)
+        st["state"] = "mixed-release"
 
     def serving_alone(self, st: dict[str, Any], now: float, evidence: str) -> None:
         """The peer's supervisor is unreachable past the bound while this side serves: no
@@ -422,7 +428,8 @@ class PairLeader(PairMember):
         if self.mixed:
             # the worker refuses too; nothing was started, nothing is counted: hold off
             pair.update(want_worker=False, up=False, head_started=False, stopping_since=now)
-            st.update(launch_at=None, ready_at=None, healthy_since=None, state="mixed-release")
+            st.update(launch_at=None, ready_at=None, healthy_since=None)
+            self.refuse_mixed(st, now)
             st.update(down_since=now, next_attempt_at=now)
             return
         if peer is not None and peer.get("generation") == pair["generation"]:
@@ -558,7 +565,7 @@ class PairLeader(PairMember):
             st["state"] = "backoff"
             return
         if self.mixed:
-            st["state"] = "mixed-release"  # recorded once by compare_releases; wait for one
+            self.refuse_mixed(st, now)  # until both are on one release
             return
         waited = round(now - st["down_since"], 2)
         backoff = round(st["next_attempt_at"] - st["down_since"], 3)
@@ -629,7 +636,7 @@ class PairFollower(PairMember):
             st["state"] = "standby"  # its unit for this launch went down: the head relaunches
             return
         if self.mixed:
-            st["state"] = "mixed-release"  # recorded once by compare_releases: never joins
+            self.refuse_mixed(st, now)  # never joins a head of another release
             return
         self.clean_shm(st, now)
         start = run_command(self.args.start_cmd, self.values, timeout_s=self.args.start_timeout_s)
