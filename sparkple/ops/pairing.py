@@ -42,10 +42,12 @@ peer-unreachable-serving (evidence), release-mismatch, release-agreed.
 from __future__ import annotations
 
 import argparse
+import secrets
 import time
 from pathlib import Path
 from typing import Any
 
+from ..atomicfile import write_text
 from .host import run_command
 from .pairlink import PairLink, read_key
 from .state import (
@@ -375,14 +377,15 @@ class PairLeader(PairMember):
         return True
 
     def after_boot(self, st: dict[str, Any], now: float) -> None:
-        """The first check after this node booted (its boot id changed): the pair that ran before
-        is gone with the boot, not broken: no incident. Neither unit starts at boot by itself
+        """The first check after this node booted (its boot marker in /run, a tmpfs cleared at
+        every boot, is new): the pair that ran before is gone with the boot, not broken: no
+        incident. Neither unit starts at boot by itself
         (a pair node's serving unit is not enabled); this launches the pair at once, in its
         order (worker first), with the readiness deadline."""
-        boot = read_boot_id(self.args.boot_id_file)
+        boot = boot_token(self.args.boot_marker)
         pair = st["pair"]
-        before = pair.get("boot_id")
-        pair["boot_id"] = boot
+        before = pair.get("boot")
+        pair["boot"] = boot
         if before is None or boot is None or before == boot:
             return
         was_up = bool(pair["up"])
@@ -654,10 +657,20 @@ class PairFollower(PairMember):
         self.record(st, now, "worker-stopped", reason=reason, exit=stop.returncode)
 
 
-def read_boot_id(path: Path) -> str | None:
-    """This boot's id (the kernel's random boot_id); None where it cannot be read."""
+def boot_token(path: Path) -> str | None:
+    """This boot's token: the one in `path` (under /run, emptied at every boot), else a new
+    one written there. A restarted supervisor finds its boot's token, a booted node a new one.
+    (Not the kernel's boot_id: a lab node, a container, keeps its host's across a restart.)
+    None where it can be neither read nor written."""
     try:
         return path.read_text().strip() or None
+    except FileNotFoundError:
+        token = secrets.token_hex(8)
+        try:
+            write_text(path, token + "\n")
+        except OSError:
+            return None
+        return token
     except OSError:
         return None
 

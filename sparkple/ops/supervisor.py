@@ -87,10 +87,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the pair's shared key (the same on both nodes): authenticates the pair link",
     )
     pair.add_argument(
-        "--boot-id-file",
+        "--boot-marker",
         type=Path,
-        default=Path("/proc/sys/kernel/random/boot_id"),
-        help="this boot's id: a change is a boot (the pair relaunched in order, no incident)",
+        default=Path("/run/sparkple/supervisor-boot"),
+        help="this boot's token, on a tmpfs: a new one is a boot (the pair relaunched in order)",
     )
     pair.add_argument(
         "--release-file",

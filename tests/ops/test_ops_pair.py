@@ -45,8 +45,7 @@ class Node:
         self.url = f"http://127.0.0.1:{self.port}"
         self.key = root / f"pair-{role}.key"  # the pair's shared key, as the role writes it
         self.key.write_bytes(KEY + b"\n")
-        self.boot = root / f"boot-id-{role}"  # the kernel's boot_id, as the supervisor reads it
-        self.boot.write_text("boot-1\n")
+        self.boot = root / f"run-{role}" / "supervisor-boot"  # /run's boot marker
         self.release = root / f"release-{role}.json"  # the current release.json
         self.set_release("r1")
 
@@ -90,7 +89,7 @@ class Node:
             "--pair-peer-timeout-s", 2,
             "--pair-key-file", self.key,
             "--release-file", self.release,
-            "--boot-id-file", self.boot,
+            "--boot-marker", self.boot,
             *(("--url", self.url) if self.role == "head" else ()),
             *extra,
         )  # fmt: skip
@@ -571,17 +570,25 @@ def test_after_a_power_cycle_the_pair_starts_in_its_order_without_an_incident(
     worker_sup = procs(worker.supervisor(head))
     head_sup = procs(head.supervisor(worker))
     up_and_ready(head, worker, "the pair launched")
+    # a supervisor restarted within the same boot finds its boot's marker: nothing happens
+    restarted = time.time()
+    head_sup.kill()
+    head_sup.wait(10)
+    head_sup = procs(head.supervisor(worker))
+    wait_for(lambda: head.st()["updated"] > restarted + 1.0, 10, "checks after the restart")
+    assert head.events("boot") == [] and head.events("pair-broken") == []
+    assert head.active() and worker.active()
     for sup in (head_sup, worker_sup):
         sup.kill()
         sup.wait(10)
     head.kill_unit()
     worker.kill_unit()
-    for node in (head, worker):
-        node.boot.write_text("boot-2\n")
+    before = head.boot.read_text()
+    head.boot.unlink()  # /run is emptied at boot (the head's supervisor alone keeps a marker)
     since = time.time()
     procs(head.supervisor(worker))
     [boot] = wait_for(lambda: head.events("boot", since), 10, "the boot seen")
-    assert boot["pair_was_up"] is True
+    assert boot["pair_was_up"] is True and head.boot.read_text() != before
     [launch] = wait_for(lambda: head.events("relaunch", since), 10, "the launch after the boot")
     assert launch["generation"] == 2 and launch["backoff_s"] == 0
     time.sleep(1.5)  # the worker's node is slower to boot
