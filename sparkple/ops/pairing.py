@@ -82,7 +82,7 @@ class PairMember(Supervisor):
         self.peer_problem: str | None = None
         self.unit_active = False
         self.release: dict[str, Any] = {"release": None, "patch_manifest_sha256": None}
-        self.mixed: str | None = None  # the two releases, while the sides differ
+        self.mixed: str | None = None  # while the two sides' releases differ: both, named
         self.started_at = time.time()
 
     def starting_side(self) -> dict[str, Any]:
@@ -113,7 +113,7 @@ class PairMember(Supervisor):
         }
 
     def peer_checked(self) -> bool:
-        return self.peer is not None and self.peer.get("checked", True) is not False
+        return self.peer is not None and self.peer.get("checked") is True
 
     def fresh(self) -> dict[str, Any]:
         return {**super().fresh(), "pair": self.fresh_pair()}
