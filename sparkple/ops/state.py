@@ -46,6 +46,7 @@ SUPERVISOR_STATES = (
     "manual-stop",
     "reset",
     "standby",  # a pair's worker whose unit is off until its head wants it
+    "mixed-release",  # a pair's node whose peer is on another release: nothing is launched
 )
 
 

@@ -68,6 +68,11 @@ def pair_status(sup: Any) -> dict[str, Any] | None:
         "peer_generation": peer.get("generation"),
         "peer_seen_at": peer.get("seen_at"),
         "link_error": pair.get("link_error") or pair.get("peer_problem"),
+        "release": (pair.get("release") or {}).get("release"),
+        "peer_release": peer.get("release"),
+        "mixed_release": bool(pair.get("mixed_release")),
+        # the peer's supervisor unreachable past the bound while this side serves (since when)
+        "peer_unreachable_serving_since": pair.get("peer_unreachable_since"),
     }
 
 
@@ -79,6 +84,11 @@ def pair_line(pair: dict[str, Any]) -> str:
         + f" (unit {unit}, supervisor {pair['peer_state'] or 'unknown'}, last seen "
         f"{iso_or_dash(pair['peer_seen_at'])}), generation {pair['generation']}"
         + (f"; link: {pair['link_error']}" if pair["link_error"] else "")
+        + (
+            f"; MIXED RELEASES: {pair['release']} here, {pair['peer_release']} on the peer"
+            if pair["mixed_release"]
+            else ""
+        )
     )
 
 

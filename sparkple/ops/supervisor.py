@@ -43,7 +43,7 @@ from .drain import drain_options
 from .host import service_options, table_device
 from .maintenance import relaunch
 from .pairing import make_supervisor
-from .pairlink import parse_listen
+from .pairlink import parse_listen, read_key
 from .shm import DEFAULT_PATTERNS
 from .state import ROLLBACK, iso, locked, manual_stop_path, write_marker
 from .status import state_options, status
@@ -81,6 +81,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     pair.add_argument("--pair-host", default=socket.gethostname(), help="this node's name")
     pair.add_argument("--pair-listen", default="", help="ADDRESS:PORT of this node's pair link")
     pair.add_argument("--pair-peer-url", default="", help="the peer's link, http://ADDRESS:PORT")
+    pair.add_argument(
+        "--pair-key-file",
+        type=Path,
+        help="the pair's shared key (the same on both nodes): authenticates the pair link",
+    )
+    pair.add_argument(
+        "--boot-marker",
+        type=Path,
+        default=Path("/run/sparkple/supervisor-boot"),
+        help="this boot's token, on a tmpfs: a new one is a boot (the pair relaunched in order)",
+    )
+    pair.add_argument(
+        "--release-file",
+        type=Path,
+        help="this node's current release.json: its id and patch manifest travel on /pair",
+    )
     pair.add_argument(
         "--pair-peer-timeout-s",
         type=float,
@@ -147,6 +163,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             )
         if args.pair_peer_timeout_s <= 0:
             p.error("--pair-peer-timeout-s must be > 0")
+        if args.pair_key_file is None:
+            p.error(
+                f"{args.pair_host}: --pair-rank needs --pair-key-file: the pair link is "
+                "authenticated; set serving_supervisor_pair_key in the inventory's vault"
+            )
     return args
 
 
@@ -167,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "incident":
         print(write_marker(args.state_dir, args.kind, time.time(), {"reason": args.reason}))
         return 0
+    if getattr(args, "pair_rank", None) is not None:
+        try:
+            read_key(args.pair_key_file)  # here, not in parse_args: the flags parse anywhere
+        except ValueError as exc:
+            print(f"ple-supervisor: error: {args.pair_host}: {exc}", file=sys.stderr)
+            return 2
     supervisor = make_supervisor(args)
     if args.command == "reset":
         return supervisor.reset()

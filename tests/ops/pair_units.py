@@ -4,7 +4,8 @@ HTTP server (python -m http.server) whose /health answers 200, managed as system
   pair_units.py start DIR       start it detached on the port in DIR/port, wait for /health 200,
                                 then append DIR's name to DIR/../starts.log (the start order)
   pair_units.py stop DIR        SIGTERM, wait for the exit
-  pair_units.py is-active DIR   exit 0 while it runs
+  pair_units.py is-active DIR   exit 0 while it runs (when DIR/pause-once exists, first sleep
+                                the seconds it holds and remove it: a slow first check)
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ def main() -> int:
         return start(directory)
     if command == "stop":
         return stop(directory)
+    pause = directory / "pause-once"
+    if pause.exists():
+        seconds = float(pause.read_text())
+        pause.unlink()
+        time.sleep(seconds)
     pid = read_pid(directory / "pid")
     return 0 if pid is not None and alive(pid) else 3
 

@@ -12,19 +12,21 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from lab_inputs import free_port
+from link_servers import RawServer, trickle
 from ops_helpers import ROOT, above_real_memory, program, read_json, wait_for, watchdog_cmd
 
-from sparkple.ops.pairlink import PAIR_FIELDS
+from sparkple.ops.pairlink import PAIR_FIELDS, PairLink
 from sparkple.ops.state import PAIR_BROKEN, SUPERVISOR_STATES, count_markers
 
 UNITS = Path(__file__).with_name("pair_units.py")
 BASE = 0.5  # backoff base (s)
 READY_S = 10.0
+KEY = b"lab-pair-key-0123456789abcdef"
 
 
 class Node:
@@ -41,6 +43,16 @@ class Node:
         (self.unit / "port").write_text(f"{self.port}\n")
         self.link = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.key = root / f"pair-{role}.key"  # the pair's shared key, as the role writes it
+        self.key.write_bytes(KEY + b"\n")
+        self.boot = root / f"run-{role}" / "supervisor-boot"  # /run's boot marker
+        self.release = root / f"release-{role}.json"  # the current release.json
+        self.set_release("r1")
+
+    def set_release(self, release: str, patches: str = "p1") -> None:
+        self.release.write_text(
+            json.dumps({"id": release, "inputs": {"patch_manifest_sha256": patches}})
+        )
 
     def cmd(self, command: str) -> str:
         return f"'{sys.executable}' -S '{UNITS}' {command} '{self.unit}'"
@@ -75,6 +87,9 @@ class Node:
             "--pair-listen", f"127.0.0.1:{self.link}",
             "--pair-peer-url", f"http://127.0.0.1:{peer.link}",
             "--pair-peer-timeout-s", 2,
+            "--pair-key-file", self.key,
+            "--release-file", self.release,
+            "--boot-marker", self.boot,
             *(("--url", self.url) if self.role == "head" else ()),
             *extra,
         )  # fmt: skip
@@ -87,8 +102,10 @@ class Node:
         return [h for h in history if h["event"] == name and h["time"] >= since]
 
     def side(self) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.link}/pair", timeout=5) as r:
-            return json.loads(r.read())
+        """Its /pair answer, read and verified as its peer reads it."""
+        answer = PairLink(f"127.0.0.1:{free_port()}", f"http://127.0.0.1:{self.link}", KEY).fetch()
+        assert answer.side is not None, answer.error
+        return answer.side
 
     def ops(self, *args: object) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -357,3 +374,227 @@ def test_a_reset_without_the_pair_flags_keeps_the_pairs_state(tmp_path, pair, pr
     sup.wait(10)
     head.ops("reset")
     assert head.st()["pair"]["generation"] == 1 and head.st()["state"] == "reset"
+
+
+def test_an_unreachable_peer_supervisor_alone_never_stops_a_serving_pair(tmp_path, pair, procs):
+    """Either supervisor killed (its node's unit left running): past --pair-peer-timeout-s the
+    other side still has evidence its engine serves (head: unit active and /health 200;
+    worker: unit active), so nothing is stopped; each records it once for an operator."""
+    head, worker = pair
+    worker_sup = procs(worker.supervisor(head))
+    head_sup = procs(head.supervisor(worker))
+    up_and_ready(head, worker, "the pair launched")
+    since = time.time()
+    worker_sup.kill()
+    worker_sup.wait(10)
+    [alone] = wait_for(lambda: head.events("peer-unreachable-serving", since), 10, "the note")
+    assert alone["evidence"] == "head unit active and its API /health 200"
+    time.sleep(2.0)  # well past the 2 s bound
+    assert head.active() and worker.active()
+    assert head.events("pair-broken") == [] and head.st()["state"] == "running"
+    assert len(head.events("peer-unreachable-serving")) == 1, "recorded once per outage"
+    shown = json.loads(head.ops("status", "--json").stdout)["pair"]
+    assert shown["peer_unreachable_serving_since"] == alone["time"] and not shown["peer_reachable"]
+
+    # the worker's supervisor back: the running pair goes on, nothing is relaunched
+    procs(worker.supervisor(head))
+    wait_for(lambda: head.events("peer-reachable", since), 10, "the worker's supervisor back")
+    assert head.st()["pair"].get("peer_unreachable_since") is None
+
+    since = time.time()
+    head_sup.kill()
+    head_sup.wait(10)
+    [alone] = wait_for(lambda: worker.events("peer-unreachable-serving", since), 10, "the note")
+    assert alone["evidence"] == "worker unit active"
+    time.sleep(2.0)
+    assert worker.active() and head.active() and worker.events("worker-stopped") == []
+    assert starts(tmp_path) == ["worker", "head"], "never stopped, never relaunched"
+
+
+def test_a_lost_worker_supervisor_and_a_failing_head_health_break_the_pair(tmp_path, pair, procs):
+    """Evidence the engine is down (the head's /health fails) while the worker's supervisor is
+    unreachable: the pair is broken as before."""
+    head, worker = pair
+    worker_sup = procs(worker.supervisor(head))
+    procs(head.supervisor(worker))
+    up_and_ready(head, worker, "the pair launched")
+    (head.unit / "www" / "health").unlink()  # the head's API answers 404 now
+    worker_sup.kill()
+    worker_sup.wait(10)
+    [broken] = wait_for(lambda: head.events("pair-broken"), 15, "the break")
+    assert broken["cause"] == "worker-unreachable" and not head.active()
+    assert head.events("peer-unreachable-serving") == []
+
+
+def test_a_starting_supervisor_answers_starting_and_its_peer_waits(tmp_path, pair, procs):
+    """A worker supervisor restarted with a slow first check (longer than the peer bound):
+    meanwhile it answers "starting" with who it is, the head reads it as reachable and not yet
+    checked, and decides nothing on it."""
+    head, worker = pair
+    worker_sup = procs(worker.supervisor(head))
+    procs(head.supervisor(worker))
+    up_and_ready(head, worker, "the pair launched")
+    worker_sup.terminate()
+    worker_sup.wait(10)
+    (worker.unit / "pause-once").write_text("5")
+    since = time.time()
+    procs(worker.supervisor(head))
+    side = wait_for(lambda: _side_or_none(worker), 10, "the worker's link")
+    assert side["state"] == "starting" and side["updated"] is None
+    assert (side["pair"], side["host"], side["rank"], side["role"]) == (
+        "p1", "spark-worker", 1, "worker",
+    )  # fmt: skip
+    assert side["unit_active"] is None and side["generation"] is None
+    wait_for(lambda: head.st()["pair"]["peer"].get("state") == "starting", 5, "the head reads it")
+    assert head.st()["pair"]["peer"]["reachable"] is True
+    wait_for(lambda: (worker.unit / "pause-once").exists() is False, 10, "the slow check")
+    wait_for(lambda: worker.side()["state"] == "running", 10, "the worker's first check")
+    later = {h["event"] for h in head.st()["history"] if h["time"] >= since}
+    assert not later & {"peer-mismatch", "peer-unreachable", "pair-broken", "relaunch"}, later
+    assert head.active() and worker.active() and starts(tmp_path) == ["worker", "head"]
+
+
+def _side_or_none(node: Node) -> dict | None:
+    try:
+        return node.side()
+    except (AssertionError, OSError):
+        return None
+
+
+def test_a_peer_with_another_key_is_not_the_peer(tmp_path, pair, procs):
+    """The worker's supervisor holds another key: each side reads the other's answers as not
+    the peer's (a wrong MAC), and the worker never starts its unit for the head."""
+    head, worker = pair
+    worker.key.write_bytes(b"another-pair-key-fedcba9876543210\n")
+    procs(worker.supervisor(head))
+    procs(head.supervisor(worker))
+    for node in (head, worker):
+        [bad] = wait_for(lambda n=node: n.events("peer-mismatch"), 10, "the refusal")
+        assert "wrong MAC" in bad["error"] and "serving_supervisor_pair_key" in bad["error"]
+    wait_for(lambda: head.events("relaunch"), 10, "the head's launch")
+    time.sleep(1.5)
+    assert worker.events("worker-started") == [] and starts(tmp_path) == []
+    assert head.st()["pair"]["peer"]["reachable"] is False
+
+
+def test_a_supervisor_reading_a_trickling_peer_keeps_checking(pair, procs):
+    """A host on the link that answers one byte every 0.5 s: each read ends at its deadline
+    (2 s in all), so the loop goes on checking (on the old reader, a deadline per recv, the
+    first check never ended)."""
+    head, _ = pair
+    with RawServer(trickle) as server:
+        procs(head.supervisor(SimpleNamespace(link=server.port)))
+        wait_for(lambda: head.st().get("updated"), 10, "the first check")
+        first = head.st()["updated"]
+        time.sleep(6.0)
+        assert head.st()["updated"] - first >= 3.0, "the loop was stalled by the answer"
+        assert server.requests >= 3 and head.st()["pair"]["peer"]["reachable"] is False
+
+
+def test_a_pair_supervisor_without_its_key_refuses_to_start(tmp_path, pair):
+    head, worker = pair
+    argv = head.supervisor(worker)
+    i = argv.index("--pair-key-file")
+    bad = subprocess.run(
+        argv[:i] + argv[i + 2 :], capture_output=True, text=True, timeout=30
+    )  # fmt: skip
+    assert bad.returncode == 2
+    assert "spark-head: --pair-rank needs --pair-key-file" in bad.stderr
+    assert "serving_supervisor_pair_key" in bad.stderr
+    head.key.write_text("\n")
+    bad = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "has 0 bytes, fewer than 16" in bad.stderr
+
+
+def test_a_pair_of_two_releases_is_never_launched_until_they_agree(tmp_path, pair, procs):
+    """The pair runs release r1; the worker's node moves to r2 (a rollout half done) and its
+    unit dies: the head breaks the pair and then neither side launches into the mixed pair,
+    both naming both releases, until the worker is back on r1."""
+    head, worker = pair
+    procs(worker.supervisor(head))
+    procs(head.supervisor(worker))
+    up_and_ready(head, worker, "the pair launched")
+    assert (head.side()["release"], head.side()["patch_manifest_sha256"]) == ("r1", "p1")
+    assert worker.side()["release"] == "r1"
+
+    worker.set_release("r2", "p2")
+    for node in (head, worker):
+        [mixed] = wait_for(lambda n=node: n.events("release-mismatch"), 10, "the mismatch")
+        assert {mixed["release"], mixed["peer_release"]} == {"r1", "r2"}
+        assert "r1" in mixed["note"] and "r2" in mixed["note"] and "roll it back" in mixed["note"]
+    assert head.active() and worker.active(), "a serving pair is not stopped for it"
+
+    since = time.time()
+    worker.kill_unit()
+    wait_for(lambda: head.events("pair-broken", since), 10, "the break")
+    wait_for(lambda: head.st()["state"] == "mixed-release", 10, "the head holds")
+    time.sleep(3 * BASE + 1.0)  # past the backoff: a launch would have come by now
+    assert head.events("relaunch", since) == [] and worker.events("worker-started", since) == []
+    assert starts(tmp_path) == ["worker", "head"] and not head.active()
+    assert head.st()["state"] == "mixed-release"
+    text = head.ops("status").stdout
+    assert "MIXED RELEASES: r1 here, r2 on the peer" in text, text
+    assert len(head.events("release-mismatch")) == 1, "recorded once"
+
+    worker.set_release("r1", "p1")  # rolled back
+    wait_for(lambda: head.events("release-agreed", since), 10, "the releases agree")
+    wait_for(lambda: running(head) and head.events("ready", since), 20, "the pair relaunched")
+    assert starts(tmp_path) == ["worker", "head", "worker", "head"]
+
+
+def test_a_worker_refuses_a_head_of_another_release(tmp_path, pair, procs):
+    """From the start: the head on r1, the worker on r1 with other patches: nothing starts."""
+    head, worker = pair
+    worker.set_release("r1", "p-other")
+    procs(worker.supervisor(head))
+    procs(head.supervisor(worker))
+    [mixed] = wait_for(lambda: worker.events("release-mismatch"), 10, "the worker's refusal")
+    assert mixed["patch_manifest_sha256"] == "p-other"
+    assert mixed["peer_patch_manifest_sha256"] == "p1"
+    wait_for(lambda: head.st().get("state") == "mixed-release", 10, "the head holds")
+    held = time.time()
+    time.sleep(2.0)
+    assert starts(tmp_path) == [] and head.events("relaunch", held) == []
+    assert worker.events("worker-started") == [] and head.st()["state"] == "mixed-release"
+
+
+def test_after_a_power_cycle_the_pair_starts_in_its_order_without_an_incident(
+    tmp_path, pair, procs
+):
+    """Both nodes lose power (supervisors and units gone at once) and boot (a new boot id);
+    neither unit starts by itself (a pair node's unit is not enabled at boot). The head's
+    supervisor comes back first: it launches the pair at once, worker first, with the
+    readiness deadline, and counts no incident; a worker supervisor that comes up later
+    still joins before the head's unit starts."""
+    head, worker = pair
+    worker_sup = procs(worker.supervisor(head))
+    head_sup = procs(head.supervisor(worker))
+    up_and_ready(head, worker, "the pair launched")
+    # a supervisor restarted within the same boot finds its boot's marker: nothing happens
+    restarted = time.time()
+    head_sup.kill()
+    head_sup.wait(10)
+    head_sup = procs(head.supervisor(worker))
+    wait_for(lambda: head.st()["updated"] > restarted + 1.0, 10, "checks after the restart")
+    assert head.events("boot") == [] and head.events("pair-broken") == []
+    assert head.active() and worker.active()
+    for sup in (head_sup, worker_sup):
+        sup.kill()
+        sup.wait(10)
+    head.kill_unit()
+    worker.kill_unit()
+    before = head.boot.read_text()
+    head.boot.unlink()  # /run is emptied at boot (the head's supervisor alone keeps a marker)
+    since = time.time()
+    procs(head.supervisor(worker))
+    [boot] = wait_for(lambda: head.events("boot", since), 10, "the boot seen")
+    assert boot["pair_was_up"] is True and head.boot.read_text() != before
+    [launch] = wait_for(lambda: head.events("relaunch", since), 10, "the launch after the boot")
+    assert launch["generation"] == 2 and launch["backoff_s"] == 0
+    time.sleep(1.5)  # the worker's node is slower to boot
+    assert not head.active(), "the head's unit waits for its worker"
+    procs(worker.supervisor(head))
+    wait_for(lambda: running(head) and head.events("ready", since), 20, "the pair serving")
+    assert starts(tmp_path) == ["worker", "head", "worker", "head"]
+    assert head.events("pair-broken") == [] and not (head.state / "markers").exists()
+    assert head.events("launch-failed") == [] and head.events("ready-timeout") == []

@@ -60,6 +60,9 @@ def test_a_pair_node_gets_its_rank_link_and_peer(tmp_path, host):
     assert args.pair == "p1" and args.pair_rank == info["rank"]
     assert args.pair_listen == f"{HOSTVARS[host]['sparkple_pair_link_address']}:8470"
     assert args.pair_peer_url == f"http://{peer}:8470" and args.pair_peer_timeout_s == 30
+    # the link's key by path (never its value on a command line), the release by its file
+    assert args.pair_key_file == Path("/var/lib/sparkple/ops/pair.key")
+    assert args.release_file == Path("/srv/sparkple/releases/current/release.json")
     timer = {u["name"]: u["start"] for u in got["units"]}["sparkple-relaunch.timer"]
     # the head's weekly relaunch relaunches both; the worker runs none of its own
     assert bool(timer) is (info["role"] == "head")
@@ -112,3 +115,53 @@ def test_the_status_line_names_the_pair_on_a_pair_node_only(tmp_path, paired):
         assert line.endswith(" pair=p1/worker peer=reachable generation=3"), line
     else:
         assert "pair=" not in line and line.endswith(tuple("0123456789-")), line
+
+
+KEY_PLAY = """
+- hosts: localhost
+  gather_facts: false
+  vars_files:
+    - {root}/roles/sparkple_common/defaults/main.yml
+    - {root}/roles/serving_supervisor/defaults/main.yml
+    - {root}/roles/serving_supervisor/vars/main.yml
+  handlers:
+    - name: Restart the supervisor
+      ansible.builtin.debug: {{msg: restart}}
+  tasks:
+    - ansible.builtin.add_host: {{name: spark-b, serving_supervisor_pair_key: "{{{{ peer_key }}}}"}}
+    - ansible.builtin.set_fact: {{serving_supervisor_pair_key: "{{{{ my_key }}}}"}}
+    - ansible.builtin.include_tasks: {root}/roles/serving_supervisor/tasks/pair_key.yml
+"""
+GOOD_KEY = "0123456789abcdef0123"
+
+
+@pytest.mark.parametrize(
+    ("mine", "theirs"), [("", ""), ("short", "short"), (GOOD_KEY, GOOD_KEY + "x")],
+    ids=["unset", "short", "different"],
+)  # fmt: skip
+def test_a_pair_node_without_one_key_for_both_nodes_is_refused(tmp_path, mine, theirs):
+    key = tmp_path / "pair.key"
+    done = run_playbook(
+        tmp_path, KEY_PLAY.format(root=ROOT),
+        {"my_key": mine, "peer_key": theirs, "serving_supervisor_pair_key_file": str(key),
+         "sparkple_pair_info": {"name": "p1", "role": "head", "peer": "spark-b"}},
+    )  # fmt: skip
+    assert done.returncode != 0 and not key.exists()
+    assert "localhost is the head of pair p1: serving_supervisor_pair_key must be set" in (
+        done.stdout
+    )
+    assert "the same for spark-b" in done.stdout
+    if mine:
+        assert mine not in done.stdout, "the key is never printed"
+
+
+def test_a_pair_nodes_key_is_written_0600(tmp_path):
+    key = tmp_path / "pair.key"
+    done = run_playbook(
+        tmp_path, KEY_PLAY.format(root=ROOT),
+        {"my_key": GOOD_KEY, "peer_key": GOOD_KEY, "serving_supervisor_pair_key_file": str(key),
+         "sparkple_pair_info": {"name": "p1", "role": "head", "peer": "spark-b"}},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert key.read_text() == GOOD_KEY + "\n" and key.stat().st_mode & 0o777 == 0o600
+    assert GOOD_KEY not in done.stdout
