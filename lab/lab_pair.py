@@ -6,9 +6,11 @@ every step over a remote message queue (v1/executor/multiproc_executor.py:718-74
 worker connects to the head's --master-port over TCP, and the wire is tiny:
 
 - the hello, one JSON line each way (the worker's first, then the head's): the node's rank, host,
-  table directory, the table's fingerprint and fingerprinted fields (sparkple.runtime.tablemeta)
-  and the sha256 of the model's config.json. Both sides compare the two as the real patch's
-  rank check does (sparkple/runtime/rankcheck.py) and refuse a pair that differs, naming both;
+  release id and patch manifest sha256 (SPARKPLE_RELEASE_ID, SPARKPLE_PATCH_MANIFEST_SHA256, as
+  the unit sets them), table directory, the table's fingerprint and fingerprinted fields
+  (sparkple.runtime.tablemeta) and the sha256 of the model's config.json. Both sides compare
+  them as the real patch's rank check does (sparkple/runtime/rankcheck.py, whose release
+  comparison they call) and refuse a pair that differs, naming both;
 - then a heartbeat, one newline every HEARTBEAT_S each way. A side that hears nothing for
   PEER_SILENCE_S takes its peer as gone: a SIGKILLed peer closes the connection, but a SIGSTOPped
   one (or a half-open connection) would otherwise never be noticed.
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkple.errors import SparkpleError
+from sparkple.runtime.rankcheck import Release, release_mismatch
 from sparkple.runtime.tablemeta import TableMeta
 
 HEAD, WORKER = 0, 1
@@ -61,6 +64,7 @@ def hello(rank: int, model_dir: Path, table_dir: Path, meta: TableMeta) -> dict[
         "sparkple_lab_pair": 1,
         "rank": rank,
         "host": socket.gethostname(),
+        **Release.from_env().entry(),
         "model": str(model_dir),
         "config_sha256": hashlib.sha256(config).hexdigest(),
         "table_dir": str(table_dir),
@@ -79,7 +83,14 @@ def _side(entry: dict[str, Any]) -> str:
 
 
 def check_pair(head: dict[str, Any], worker: dict[str, Any]) -> None:
-    """PairRefused unless both nodes serve the same table of the same model config."""
+    """PairRefused unless both nodes run one release and serve the same table of the same
+    model config."""
+    mismatch = release_mismatch(
+        (f"{node_name(head['rank'])} on {head['host']}", Release.of(head)),
+        (f"{node_name(worker['rank'])} on {worker['host']}", Release.of(worker)),
+    )
+    if mismatch:
+        raise PairRefused(f"the pair's nodes run different releases: {mismatch}")
     differ = sorted(
         key
         for key in set(head["fields"]) | set(worker["fields"])

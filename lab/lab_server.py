@@ -54,7 +54,8 @@ two nodes (docs/tensor-parallel.md; the link itself is lab_pair.py):
   worker waits for the next step with no timeout (v1/executor/multiproc_executor.py:1159) and
   nothing on its node watches the head. It never joins another head (restart it); SIGTERM
   stops it (exit 0).
-- on joining, the two exchange their table's fingerprint and fields and their config.json's
+- on joining, the two exchange their release (SPARKPLE_RELEASE_ID and
+  SPARKPLE_PATCH_MANIFEST_SHA256), their table's fingerprint and fields and their config.json's
   sha256: a difference makes both exit 1 with a message naming both nodes and what differs,
   as the real patch's rank check does (sparkple/runtime/rankcheck.py).
 

@@ -20,6 +20,10 @@ class TableError(SparkpleError):
     """A published packed table is missing, inconsistent, or not what the caller expects."""
 
 
+class ReleaseError(SparkpleError):
+    """The nodes of a pair run different releases (release id or patch manifest)."""
+
+
 class PatchError(SparkpleError):
     """A vLLM patch profile cannot be rendered or applied as asked."""
 

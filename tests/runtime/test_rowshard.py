@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from sparkple.builder.build import build_table
-from sparkple.errors import TableError
+from sparkple.errors import ReleaseError, TableError
 from sparkple.runtime.gather import gather_rows
 from sparkple.runtime.lookahead import Lookahead
 from sparkple.runtime.ngram import row_ids
 from sparkple.runtime.pagecache import PAGE_SIZE, resident_pages
 from sparkple.runtime.prefetch import Prefetcher, plan_page_numbers
-from sparkple.runtime.rankcheck import check_ranks, describe
+from sparkple.runtime.rankcheck import Release, check_ranks, describe
 from sparkple.runtime.rowshard import OwnedRows, check_tiling
 from sparkple.runtime.stats import PLEStats
 from sparkple.runtime.table import open_table
@@ -151,13 +151,14 @@ def test_two_builds_of_one_checkpoint_share_a_fingerprint(built_table, tmp_path)
         assert changed.fingerprint() != first.meta.fingerprint()
         owned = halves(first)
         entries = [
-            describe(r, d.table_dir, d.meta, owned[r]) for r, d in enumerate((first, second))
+            describe(r, d.table_dir, d.meta, owned[r], release=Release())
+            for r, d in enumerate((first, second))
         ]
         check_ranks(entries[::-1])  # agreeing ranks pass, in any order
         entries[1]["owned"] = (0, first.total_rows)
         with pytest.raises(TableError, match="once each"):
             check_ranks(entries)
-        entries[1] = describe(1, "/other/table", changed, owned[1])
+        entries[1] = describe(1, "/other/table", changed, owned[1], release=Release())
         with pytest.raises(TableError) as refused:
             check_ranks(entries)
         message = str(refused.value)
@@ -165,9 +166,68 @@ def test_two_builds_of_one_checkpoint_share_a_fingerprint(built_table, tmp_path)
         assert str(built_table.table_dir) in message and "/other/table" in message
         assert "differ in global_scale" in message
         # a rank whose own checks failed: its peer stops with it, naming it
-        entries[1] = describe(1, "/other/table", second.meta, owned[1], ["global scale 2.0"])
+        entries[1] = describe(
+            1, "/other/table", second.meta, owned[1], ["global scale 2.0"], release=Release()
+        )
         with pytest.raises(TableError, match="rank 1 on .* refused its PLE table: global scale"):
             check_ranks(entries)
     finally:
         first.close()
         second.close()
+
+
+RELEASE_A = Release("1f0c2a9be47d3e55", "a" * 64)
+
+
+@pytest.mark.parametrize(
+    ("other", "differ", "says"),
+    [
+        (Release("7b3e90d1c2f4a685", "a" * 64), "release id",
+         "rank 1 on spark-b runs release 7b3e90d1c2f4a685, patch manifest sha256 " + "a" * 64),
+        (Release("1f0c2a9be47d3e55", "b" * 64), "patch manifest",
+         "rank 1 on spark-b runs release 1f0c2a9be47d3e55, patch manifest sha256 " + "b" * 64),
+        # a node the unit names no release for is not taken to run rank 0's
+        (Release(), "release id and patch manifest",
+         "rank 1 on spark-b runs release (not set), patch manifest sha256 (not set)"),
+    ],
+    ids=["release-id", "manifest", "unset"],
+)  # fmt: skip
+def test_ranks_of_different_releases_refuse_naming_both(built_table, other, differ, says):
+    """Both tables agree (one build): the ranks differ only in what they run, as a pair does
+    with one node rolled back and the other not."""
+    with open_table(built_table.table_dir) as t:
+        owned = halves(t)
+        entries = [
+            describe(r, t.table_dir, t.meta, owned[r], release=release)
+            for r, release in enumerate((RELEASE_A, other))
+        ]
+    entries[0]["host"], entries[1]["host"] = "spark-a", "spark-b"
+    for order in (entries, entries[::-1]):
+        with pytest.raises(ReleaseError) as refused:
+            check_ranks(order)
+        message = str(refused.value)
+        assert message.startswith("the tensor-parallel ranks run different releases: rank 0 on "
+                                  "spark-a runs release 1f0c2a9be47d3e55, patch manifest sha256 "
+                                  + "a" * 64 + " and " + says)  # fmt: skip
+        assert f"(they differ in {differ})" in message
+        assert "roll both nodes out to the same release" in message
+
+
+def test_ranks_of_one_release_pass_and_the_unit_names_it_in_the_environment(
+    built_table, monkeypatch
+):
+    monkeypatch.setenv("SPARKPLE_RELEASE_ID", " 1f0c2a9be47d3e55\n")
+    monkeypatch.setenv("SPARKPLE_PATCH_MANIFEST_SHA256", "a" * 64)
+    assert Release.from_env() == RELEASE_A
+    with open_table(built_table.table_dir) as t:
+        owned = halves(t)
+        check_ranks(
+            [describe(r, t.table_dir, t.meta, owned[r], release=Release.from_env()) for r in (0, 1)]
+        )
+        # neither set (a run outside the serving unit): the ranks agree, the tables decide
+        monkeypatch.delenv("SPARKPLE_RELEASE_ID")
+        monkeypatch.delenv("SPARKPLE_PATCH_MANIFEST_SHA256")
+        assert Release.from_env() == Release()
+        check_ranks(
+            [describe(r, t.table_dir, t.meta, owned[r], release=Release.from_env()) for r in (0, 1)]
+        )
