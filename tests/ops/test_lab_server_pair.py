@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -212,6 +213,49 @@ def test_nodes_with_different_tables_both_refuse_naming_both(
         assert "node 1 (worker) on " in out and f"table {other_model['table']}," in out
         differ = out.split("differ in ", 1)[1].split(".", 1)[0]
         assert differ == "global_scale, source", out
+
+
+RELEASE = {"SPARKPLE_RELEASE_ID": "1f0c2a9be47d3e55", "SPARKPLE_PATCH_MANIFEST_SHA256": "a" * 64}
+
+
+@pytest.mark.parametrize(
+    ("worker_env", "differ", "worker_runs"),
+    [
+        ({**RELEASE, "SPARKPLE_RELEASE_ID": "7b3e90d1c2f4a685"}, "release id",
+         "release 7b3e90d1c2f4a685, patch manifest sha256 " + "a" * 64),
+        ({**RELEASE, "SPARKPLE_PATCH_MANIFEST_SHA256": "b" * 64}, "patch manifest",
+         "release 1f0c2a9be47d3e55, patch manifest sha256 " + "b" * 64),
+        ({"SPARKPLE_RELEASE_ID": "", "SPARKPLE_PATCH_MANIFEST_SHA256": ""},
+         "release id and patch manifest", "release (not set), patch manifest sha256 (not set)"),
+    ],
+    ids=["release-id", "manifest", "unset"],
+)  # fmt: skip
+def test_nodes_of_different_releases_both_refuse_naming_both(
+    start_node, worker_env: dict, differ: str, worker_runs: str
+) -> None:
+    """One table, one model: the nodes differ only in the release their units name, as a pair
+    with one node rolled back and the other not."""
+    head = start_node(HEAD, env=RELEASE)
+    worker = start_node(WORKER, env=worker_env)
+    assert worker.proc.wait(30) == 1
+    assert head.proc.wait(30) == 1
+    host = socket.gethostname()
+    for node in (head, worker):
+        out = node.output()
+        assert (
+            "the pair's nodes run different releases: node 0 (head) on "
+            f"{host} runs release 1f0c2a9be47d3e55, patch manifest sha256 {'a' * 64} and "
+            f"node 1 (worker) on {host} runs {worker_runs} (they differ in {differ})"
+        ) in out, out
+
+
+def test_nodes_of_one_release_pair(start_node) -> None:
+    head = start_node(HEAD, env=RELEASE)
+    wait_for(lambda: health(head.port) is not None, 30, "the head listening")
+    worker = start_node(WORKER, env=RELEASE)
+    wait_for(lambda: health(head.port) == 200, 30, "the head healthy with its worker")
+    assert complete(head.port, 4)[0] == 200
+    assert worker.proc.poll() is None
 
 
 def test_either_side_waiting_for_the_other_stops_cleanly(start_node) -> None:
