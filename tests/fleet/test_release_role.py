@@ -5,6 +5,7 @@ Each test runs the real role with ansible-playbook against real files in a tempo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -14,6 +15,9 @@ import pytest
 from ansible_local import run_playbook
 
 pytestmark = pytest.mark.slow  # about 3 s per ansible-playbook run on an idle machine
+
+ROOT = Path(__file__).resolve().parents[2]
+LAB_UNIT = ROOT / "molecule/fleet/roles/lab_release_service/templates/lab-release.service.j2"
 
 PLAYBOOK = """
 - hosts: localhost
@@ -132,3 +136,48 @@ def test_a_release_refuses_a_table_rebuilt_since_it_was_made(site: Path) -> None
     with pytest.raises(AssertionError, match=r"Release [0-9a-f]{16} \(B\) was made with the table"):
         run(site, "deploy", release_name="B")
     assert not (site / "served").exists(), "nothing was started"
+
+
+def test_a_deploy_hands_the_service_its_release_id_and_manifest_hash(site: Path) -> None:
+    """The release's id and the sha256 of its patch manifest reach the serving unit's
+    environment (SPARKPLE_RELEASE_ID, SPARKPLE_PATCH_MANIFEST_SHA256), where a pair's ranks
+    compare them at load: through vllm_service's variables on a Spark (a stand-in vllm_service
+    beside the playbook records what the real release role hands it), and in the lab pair's unit
+    (the fleet scenario's lab_release_service template, rendered for real)."""
+    vllm_service = site / "roles" / "vllm_service" / "tasks"
+    vllm_service.mkdir(parents=True)
+    (vllm_service / "main.yml").write_text(
+        "- ansible.builtin.copy:\n"
+        "    content: \"{{ {'release_id': vllm_service_release_id | default('UNSET'),\n"
+        "                   'manifest': vllm_service_patch_manifest_sha256 | default('UNSET'),\n"
+        "                   'patch_dir': vllm_service_patch_dir} | to_json }}\"\n"
+        f"    dest: {site / 'vllm_service.json'}\n"
+        "    mode: '0644'\n"
+    )
+    lab_unit = site / "roles" / "lab_unit"
+    (lab_unit / "meta").mkdir(parents=True)
+    (lab_unit / "meta" / "main.yml").write_text("dependencies: [{role: sparkple_common}]\n")
+    (lab_unit / "tasks").mkdir()
+    (lab_unit / "tasks" / "main.yml").write_text(
+        "- ansible.builtin.template:\n"
+        f"    src: {LAB_UNIT}\n"
+        f"    dest: {site / 'lab.service'}\n"
+        "    mode: '0644'\n"
+        "  vars:\n"
+        "    lab_release_service_model_dir: /srv/sparkple/model\n"
+        "    lab_release_service_token_delay_s: 0\n"
+        "    lab_release_service_peer_timeout_s: 2\n"
+    )
+    a, _ = run(site, "activate")
+    manifest_sha256 = hashlib.sha256((site / "patches" / "manifest.json").read_bytes()).hexdigest()
+    run(site, "deploy", release_service_role="vllm_service")
+    handed = json.loads((site / "vllm_service.json").read_text())
+    assert handed == {
+        "release_id": a["id"],
+        "manifest": manifest_sha256,
+        "patch_dir": str(site / "releases" / a["id"] / "patches"),
+    }
+    run(site, "deploy", release_service_role="lab_unit")
+    environment = re.findall(r"^Environment=(\w+)=(.*)$", (site / "lab.service").read_text(), re.M)
+    assert ("SPARKPLE_RELEASE_ID", a["id"]) in environment
+    assert ("SPARKPLE_PATCH_MANIFEST_SHA256", manifest_sha256) in environment

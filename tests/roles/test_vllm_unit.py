@@ -26,6 +26,7 @@ from sparkple.serving.recipe import Recipe
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = ROOT / "roles" / "vllm_service"
 HEAD_IP, WORKER_IP = "192.168.100.10", "192.168.100.11"
+RELEASE, MANIFEST = "1f0c2a9be47d3e55", "c0ffee" + "0" * 58
 
 
 def pair_node(rank: int, address: str, hca: str) -> dict[str, object]:
@@ -75,8 +76,14 @@ def units(tmp_path_factory) -> dict[str, str]:
             "sparkple_pair_ib_gid_index": 1,
             "vllm_service_ulimits": ["stack=67108864"],
         },  # fmt: skip
-        "spark-c": {},
+        "spark-c": {"vllm_patches_manifest_sha256": MANIFEST},  # the hash by vllm_patches' fact
+        "spark-d": {},  # unpatched, outside a rollout
     }
+    # the id and the hash as the release role's deploy hands them (spark-c: the id only)
+    for host in ("spark-a", "spark-b", "spark-c"):
+        hosts[host]["vllm_service_release_id"] = RELEASE
+    for host in ("spark-a", "spark-b"):
+        hosts[host]["vllm_service_patch_manifest_sha256"] = MANIFEST
     for host, hv in hosts.items():
         the_plan = plan(snapshot, recipe, BudgetKnobs(), memtotal, ranks.get(host))
         hv.update(local, vllm_service_plan=the_plan)
@@ -181,6 +188,18 @@ def test_a_single_spark_unit_has_nothing_of_a_pair(units: dict[str, str]) -> Non
              ["--tensor-parallel-size=2", "--nnodes=2", "--node-rank=0",
               f"--master-addr={HEAD_IP}", "--master-port=29501"]]  # fmt: skip
     assert budgetless(without(head, added)) == budgetless(single)
+
+
+def test_the_unit_names_its_release_to_the_engine(units: dict[str, str]) -> None:
+    """The engine's rank check compares these on a pair's two nodes; empty where the unit has
+    no release (outside a rollout) or no patches."""
+    named = ("SPARKPLE_RELEASE_ID", "SPARKPLE_PATCH_MANIFEST_SHA256")
+    for host, expected in (("spark-a", (RELEASE, MANIFEST)), ("spark-b", (RELEASE, MANIFEST)),
+                           ("spark-c", (RELEASE, MANIFEST)), ("spark-d", ("", ""))):  # fmt: skip
+        words = pairs(exec_start(units[host]), "--env")
+        env = dict(e.split("=", 1) for e in words)
+        assert tuple(env[name] for name in named) == expected, host
+        assert [w.split("=", 1)[0] for w in words].count(named[0]) == 1
 
 
 def without(words: list[str], parts: list[list[str]]) -> list[str]:
