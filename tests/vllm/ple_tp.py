@@ -1,7 +1,7 @@
 """Run inside the vLLM test venv, once per tensor-parallel rank: the packed table at TP=2.
 
 Usage: python ple_tp.py DEVICE RENDERED_DIR RESULT_JSON TP_RANK TP_SIZE INIT_FILE
-       NAME=SNAPSHOT=TABLE_DIR [...]
+       NAME=SNAPSHOT=TABLE_DIR[=RELEASE_ID=PATCH_MANIFEST_SHA256] [...]
 
 Every rank's process sets up vLLM's own parallel state (`init_distributed_environment` and
 `initialize_model_parallel` over gloo, rendezvous in INIT_FILE), so the TP group, and the PLE's
@@ -13,7 +13,9 @@ forward all-reduces the packed bytes and decodes. All-reduces go through vLLM's 
 (`torch.ops.vllm.all_reduce`), as on CUDA, where the platform asks for it. With TP_SIZE 1 the
 same run is the single-rank full-table reference. Writes per case: a sha256 of every step's
 output bytes, which table pages are resident afterwards (mincore), dummy-run outputs, and the
-error a case's load raised (a refused pair). The pytest side compares the ranks.
+error a case's load raised (a refused pair). A case with a release runs with it in
+SPARKPLE_RELEASE_ID and SPARKPLE_PATCH_MANIFEST_SHA256, as the serving unit sets them. The
+pytest side compares the ranks.
 """
 
 from __future__ import annotations
@@ -54,18 +56,22 @@ def table_pages(embedding) -> dict:
     }
 
 
-def run_case(patched, state_module, snapshot: Path, table_dir: Path) -> dict:
+def run_case(patched, state_module, snapshot: Path, table_dir: Path, release: list[str]) -> dict:
     from transformers import Qwen4ExpTextConfig
 
     raw = json.loads((snapshot / "config.json").read_text())
     config = Qwen4ExpTextConfig(**raw["text_config"])
     prefix = f"model.language_model.layers.{eq.PLE_DECODER_LAYER}.ple.ple_embedding."
     # set while the case runs: the patched model state runs the host step only then
-    os.environ["SPARKPLE_PLE_TABLE_DIR"] = str(table_dir)
+    env = {"SPARKPLE_PLE_TABLE_DIR": str(table_dir)}
+    if release:
+        env["SPARKPLE_RELEASE_ID"], env["SPARKPLE_PATCH_MANIFEST_SHA256"] = release
+    os.environ.update(env)
     try:
         return steps_of_case(patched, state_module, config, snapshot, prefix)
     finally:
-        os.environ.pop("SPARKPLE_PLE_TABLE_DIR")
+        for name in env:
+            os.environ.pop(name)
 
 
 def steps_of_case(patched, state_module, config, snapshot: Path, prefix: str) -> dict:
@@ -129,7 +135,7 @@ def steps_of_case(patched, state_module, config, snapshot: Path, prefix: str) ->
 def main() -> None:
     rendered, result_path = Path(sys.argv[2]), Path(sys.argv[3])
     tp_rank, tp_size, init_file = int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6])
-    cases = [arg.split("=", 2) for arg in sys.argv[7:]]
+    cases = [arg.split("=") for arg in sys.argv[7:]]
     eq.seed_loader_filter(rendered)
     results = {}
     with (
@@ -143,8 +149,10 @@ def main() -> None:
         # CUDA's platform sends collectives through vLLM's custom ops; so does this run
         tp.use_custom_op_call = True
         patched, state_module = eq.patched_modules(rendered)
-        for name, snapshot, table_dir in cases:
-            results[name] = run_case(patched, state_module, Path(snapshot), Path(table_dir))
+        for name, snapshot, table_dir, *release in cases:
+            results[name] = run_case(
+                patched, state_module, Path(snapshot), Path(table_dir), release
+            )
     result_path.write_text(json.dumps(results, indent=2))
 
 

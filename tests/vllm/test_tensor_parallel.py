@@ -33,8 +33,9 @@ RUN_TIMEOUT_S = 900
 def run_ranks(vllm_venv: Path, rendered: Path, work: Path, cases_per_rank: list[list[str]]):
     """One process per rank, all started before any is waited for (they rendezvous)."""
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{SCRIPT.parent}"}
-    env.pop("SPARKPLE_PLE_TABLE_DIR", None)
-    env.pop("SPARKPLE_STATS_DIR", None)
+    for name in ("SPARKPLE_PLE_TABLE_DIR", "SPARKPLE_STATS_DIR", "SPARKPLE_RELEASE_ID",
+                 "SPARKPLE_PATCH_MANIFEST_SHA256"):  # fmt: skip
+        env.pop(name, None)
     size = len(cases_per_rank)
     init_file = work / f"init-tp{size}"
     init_file.unlink(missing_ok=True)
@@ -198,3 +199,65 @@ def test_a_rank_refusing_its_own_table_stops_its_peer_at_load(tp_results: dict) 
     assert "does not match the checkpoint" in second and "global scale" in second
     assert first.startswith("TableError: rank 1 on ")
     assert "refused its PLE table: global scale" in first and "table-revision-b" in first
+
+
+RELEASE = ("1f0c2a9be47d3e55", "a" * 64)
+# rank 1's release in each case (rank 0 runs RELEASE); None: the unit names none
+RELEASE_CASES = {
+    "one_release": RELEASE,
+    "other_release": ("7b3e90d1c2f4a685", "a" * 64),
+    "other_manifest": ("1f0c2a9be47d3e55", "b" * 64),
+    "unset": None,
+}
+
+
+@pytest.fixture(scope="module")
+def release_results(vllm_venv: Path, vllm_originals: Path, tmp_path_factory) -> list[dict]:
+    """A pair on one small checkpoint, each node with its own build of the table: the two
+    agree in everything but the release their units name."""
+    work = tmp_path_factory.mktemp("ple-tp-release")
+    rendered = work / "rendered"
+    patch.render("vllm-0.33", vllm_originals, rendered, {"lookahead_mib": "0"})
+    snapshot = synth_checkpoint(work / "snapshot", quant="fp8", vocab_base=300, files=2, seed=20)
+    ranks: list[list[str]] = [[], []]
+    for node, cases in enumerate(ranks):
+        table = work / f"table-node{node}"
+        build_table(snapshot, table, quiet=True)
+        for name, other in RELEASE_CASES.items():
+            release = RELEASE if node == 0 else other
+            cases.append("=".join([name, str(snapshot), str(table), *(release or ())]))
+    yield run_ranks(vllm_venv, rendered, work, ranks)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def test_a_pair_of_one_release_starts(release_results: list[dict]) -> None:
+    for result in release_results:
+        assert "load_error" not in result["one_release"], result["one_release"]
+        assert result["one_release"]["backend"] == "Qwen4ExpPLEPackedTableEmbedding"
+
+
+@pytest.mark.parametrize(
+    ("case", "differ", "rank1_runs"),
+    [
+        ("other_release", "release id",
+         "release 7b3e90d1c2f4a685, patch manifest sha256 " + "a" * 64),
+        ("other_manifest", "patch manifest",
+         "release 1f0c2a9be47d3e55, patch manifest sha256 " + "b" * 64),
+        ("unset", "release id and patch manifest",
+         "release (not set), patch manifest sha256 (not set)"),
+    ],
+)  # fmt: skip
+def test_a_pair_of_two_releases_refuses_to_start_naming_both(
+    release_results: list[dict], case: str, differ: str, rank1_runs: str
+) -> None:
+    """The rendered backend's own rank check over vLLM's TP group: both ranks refuse at load
+    (one node rolled back, the other not), naming both ranks' hosts and releases."""
+    for result in release_results:
+        error = result[case]["load_error"]
+        assert error.startswith(
+            "ReleaseError: the tensor-parallel ranks run different releases: rank 0 on "
+        ), error
+        assert (
+            " runs release 1f0c2a9be47d3e55, patch manifest sha256 " + "a" * 64 + " and rank 1 on "
+        ) in error
+        assert f" runs {rank1_runs} (they differ in {differ})" in error
