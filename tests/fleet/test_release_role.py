@@ -17,7 +17,7 @@ from ansible_local import run_playbook
 pytestmark = pytest.mark.slow  # about 3 s per ansible-playbook run on an idle machine
 
 ROOT = Path(__file__).resolve().parents[2]
-LAB_UNIT = ROOT / "molecule/fleet/roles/lab_release_service/templates/lab-release.service.j2"
+LAB_ROLE = ROOT / "molecule" / "fleet" / "roles" / "lab_release_service"
 
 PLAYBOOK = """
 - hosts: localhost
@@ -159,14 +159,12 @@ def test_a_deploy_hands_the_service_its_release_id_and_manifest_hash(site: Path)
     (lab_unit / "meta" / "main.yml").write_text("dependencies: [{role: sparkple_common}]\n")
     (lab_unit / "tasks").mkdir()
     (lab_unit / "tasks" / "main.yml").write_text(
+        "- ansible.builtin.include_vars:\n"
+        f"    file: {LAB_ROLE / 'defaults' / 'main.yml'}\n"
         "- ansible.builtin.template:\n"
-        f"    src: {LAB_UNIT}\n"
+        f"    src: {LAB_ROLE / 'templates' / 'lab-release.service.j2'}\n"
         f"    dest: {site / 'lab.service'}\n"
         "    mode: '0644'\n"
-        "  vars:\n"
-        "    lab_release_service_model_dir: /srv/sparkple/model\n"
-        "    lab_release_service_token_delay_s: 0\n"
-        "    lab_release_service_peer_timeout_s: 2\n"
     )
     a, _ = run(site, "activate")
     manifest_sha256 = hashlib.sha256((site / "patches" / "manifest.json").read_bytes()).hexdigest()
