@@ -9,10 +9,14 @@ import hashlib
 import json
 import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from ansible_local import run_playbook
+from hf_snapshot import hf_cache_snapshot
 
 pytestmark = pytest.mark.slow  # about 3 s per ansible-playbook run on an idle machine
 
@@ -38,11 +42,31 @@ PLAYBOOK = """
 """
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def build_table(root: Path, table: Path, seed: int) -> None:
+    """A real published table (`sparkple build-table`) from a small synthetic checkpoint."""
+    snapshot = hf_cache_snapshot(root / f"checkpoint-{seed}", files=2, seed=seed)
+    build = [sys.executable, "-m", "sparkple.cli", "build-table", str(snapshot), str(table),
+             "--quiet"]  # fmt: skip
+    subprocess.run(build, check=True, capture_output=True, cwd=ROOT, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory) -> dict[str, Path]:
+    """Two builds of one checkpoint (as two Sparks make them) and one of another."""
+    root = tmp_path_factory.mktemp("release-tables")
+    built = {}
+    for name, seed in (("a", 1), ("a2", 1), ("b", 2)):
+        built[name] = root / name
+        build_table(root / f"{name}-src", built[name], seed)
+    return built
+
+
 @pytest.fixture
-def site(tmp_path: Path) -> Path:
-    table = tmp_path / "table"
-    table.mkdir()
-    (table / "table.json").write_text('{"data_file": "rows-1.bin", "data_bytes": 4}')
+def site(tmp_path: Path, tables: dict[str, Path]) -> Path:
+    shutil.copytree(tables["a"], tmp_path / "table")
     patches = tmp_path / "patches"
     (patches / "models").mkdir(parents=True)
     (patches / "models" / "x.py").write_text("x = 1\n")
@@ -63,6 +87,8 @@ def run(site: Path, action: str = "stage", **extra: str) -> tuple[dict, int]:
     variables = {
         "sparkple_release_dir": str(site / "releases"),
         "sparkple_table_dir": str(site / "table"),
+        # the host's Python with the checkout's package (sparkple inspect-table)
+        "sparkple_host_python": sys.executable,
         "release_patch_dir": str(site / "patches"),
         "release_patch_profile": "vllm-0.33",
         "release_vllm_path": "/usr/lib/python3/dist-packages/vllm",
@@ -80,7 +106,9 @@ def run(site: Path, action: str = "stage", **extra: str) -> tuple[dict, int]:
     return json.loads((site / "out.json").read_text()), changed - 1  # minus the copy of out.json
 
 
-def test_release_is_staged_whole_and_named_by_its_inputs(site: Path) -> None:
+def test_release_is_staged_whole_and_named_by_its_inputs(
+    site: Path, tables: dict[str, Path]
+) -> None:
     first, changed = run(site)
     release = site / "releases" / first["id"]
     assert changed > 0
@@ -92,9 +120,10 @@ def test_release_is_staged_whole_and_named_by_its_inputs(site: Path) -> None:
     assert not (site / "releases" / (first["id"] + ".partial")).exists()
     again, changed = run(site)
     assert again["id"] == first["id"] and changed == 0
-    # the inputs make the id: a new name, or a table rebuilt, is a new release
+    # the inputs make the id: a new name, or a table from another checkpoint, is a new release
     assert run(site, release_name="B")[0]["id"] != first["id"]
-    (site / "table" / "table.json").write_text('{"data_file": "rows-2.bin", "data_bytes": 4}')
+    shutil.rmtree(site / "table")
+    shutil.copytree(tables["b"], site / "table")
     assert run(site)[0]["id"] != first["id"]
 
 
@@ -119,15 +148,17 @@ def test_a_missing_table_stops_with_what_to_do(site: Path) -> None:
         run(site)
 
 
-def test_a_release_refuses_a_table_rebuilt_since_it_was_made(site: Path) -> None:
+def test_a_release_refuses_a_table_rebuilt_since_it_was_made(
+    site: Path, tables: dict[str, Path]
+) -> None:
     """ple_table rebuilds in place: neither a rollback nor a deploy may pair the new table with
     an old release's patches."""
     a, _ = run(site, "activate")
     run(site, "deploy")
     assert (site / "served").read_text() == str(site / "releases" / a["id"])
     b, _ = run(site, "activate", release_name="B")
-    table_json = site / "table" / "table.json"
-    table_json.write_text('{"data_file": "rows-rebuilt.bin", "data_bytes": 4}')  # rebuilt
+    shutil.rmtree(site / "table")
+    shutil.copytree(tables["b"], site / "table")  # rebuilt in place from another checkpoint
     (site / "served").unlink()
     with pytest.raises(AssertionError, match=r"was made with the table .* \(rebuilt since\)"):
         run(site, "rollback", release_name="B")
@@ -179,3 +210,21 @@ def test_a_deploy_hands_the_service_its_release_id_and_manifest_hash(site: Path)
     environment = re.findall(r"^Environment=(\w+)=(.*)$", (site / "lab.service").read_text(), re.M)
     assert ("SPARKPLE_RELEASE_ID", a["id"]) in environment
     assert ("SPARKPLE_PATCH_MANIFEST_SHA256", manifest_sha256) in environment
+
+
+def test_two_builds_of_one_checkpoint_make_one_release_id(
+    site: Path, tables: dict[str, Path]
+) -> None:
+    """Each node of a pair builds its own table (other build names and times in table.json):
+    the release id comes from the table's fingerprint, so both nodes compute the same one, and
+    the pair link's and the rank check's comparison of ids holds."""
+    a, _ = run(site)
+    assert (tables["a"] / "table.json").read_bytes() != (tables["a2"] / "table.json").read_bytes()
+    shutil.rmtree(site / "table")
+    shutil.copytree(tables["a2"], site / "table")
+    a2, _ = run(site)
+    assert a2["id"] == a["id"]
+    shutil.rmtree(site / "table")
+    shutil.copytree(tables["b"], site / "table")
+    b, _ = run(site)
+    assert b["id"] != a["id"]
