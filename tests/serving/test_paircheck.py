@@ -338,7 +338,8 @@ def test_the_default_launcher_runs_the_release_image_with_the_pair_environment(
         options = argv[:image]
         assert {"--rm", "--network=host", "--ipc=host", "--entrypoint=python3"} <= set(options)
         assert "--volume=/opt/sparkple:/opt/sparkple:ro" in options  # the package, read-only
-        for name in ("VLLM_HOST_IP", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_HCA"):
+        # the socket transport's variables (an ib pair's add NCCL_IB_HCA)
+        for name in ("VLLM_HOST_IP", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_NET"):
             assert f"--env={name}" in options  # by name: docker takes the task's value
         assert argv[image + 1 : image + 4] == ["-m", "sparkple.cli", "pair-check"]
     assert {next(a for a in argv if a.startswith("--rank=")) for argv in runs} == {
