@@ -148,6 +148,8 @@ def verdict(settings: Settings, figures: list[Figure], backend: str = "nccl") ->
     peak = max(f.busbw_gbps for f in figures)
     floor = settings.floor()
     figure = f"peak bus bandwidth {peak:.2f} GB/s"
+    if floor <= 0:
+        return True, f"{settings.who()}: {figure} (transport {settings.transport} has no floor)"
     if peak >= floor:
         return True, f"{settings.who()}: {figure}, at or above the floor of {floor:g} GB/s"
     return False, (
