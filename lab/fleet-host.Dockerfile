@@ -2,9 +2,13 @@
 # Python packages (numpy, the real vLLM 0.33.0 sources) and the lab server, so the server runs
 # directly under systemd from a release's files instead of in a nested engine; and CPU torch
 # (.ci/lab-fleet-image puts its wheels' files in the build context), for the pair's link
-# benchmark with gloo.
+# benchmark with gloo. Debian's node exporter is installed once here rather than by ple_metrics on
+# each of the six hosts at once (the role's apt task then finds it; the default scenario
+# installs it for real). The lists stay as fetched: fresh for an hour, then the role updates.
 FROM local/sparkple-lab-target:bookworm
 LABEL org.sparkple.lab="fleet-host"
+RUN apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -qy --no-install-recommends \
+        prometheus-node-exporter && apt-get clean
 COPY --from=local/sparkple-lab-serving:vllm-0.33.0 /usr/local/lib/python3.11/dist-packages/ /usr/local/lib/python3.11/dist-packages/
 COPY --from=local/sparkple-lab-serving:vllm-0.33.0 /opt/sparkple-lab/ /opt/sparkple-lab/
 COPY torch-site-packages/ /usr/local/lib/python3.11/dist-packages/
