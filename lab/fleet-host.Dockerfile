@@ -3,8 +3,9 @@
 # directly under systemd from a release's files instead of in a nested engine; and CPU torch
 # (.ci/lab-fleet-image puts its wheels' files in the build context), for the pair's link
 # benchmark with gloo. Debian's node exporter is installed once here rather than by ple_metrics on
-# each of the six hosts at once (the role's apt task then finds it; the default scenario
-# installs it for real). The lists stay as fetched: fresh for an hour, then the role updates.
+# each of the six hosts at once: the role's apt task then finds it present (its install from an
+# empty host is not exercised by any scenario). The lists stay as fetched: fresh for an hour,
+# then the role's cache_valid_time updates them.
 FROM local/sparkple-lab-target:bookworm
 LABEL org.sparkple.lab="fleet-host"
 RUN apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -qy --no-install-recommends \

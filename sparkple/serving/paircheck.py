@@ -149,7 +149,12 @@ def verdict(settings: Settings, figures: list[Figure], backend: str = "nccl") ->
     floor = settings.floor()
     figure = f"peak bus bandwidth {peak:.2f} GB/s"
     if floor <= 0:
-        return True, f"{settings.who()}: {figure} (transport {settings.transport} has no floor)"
+        why = (
+            f"transport {settings.transport} has no floor"
+            if settings.floor_gbps is None
+            else "the floor is set to 0"
+        )
+        return True, f"{settings.who()}: {figure} ({why})"
     if peak >= floor:
         return True, f"{settings.who()}: {figure}, at or above the floor of {floor:g} GB/s"
     return False, (
