@@ -441,6 +441,8 @@ class PairLeader(PairMember):
                     st, now, "launch-failed", side="worker", start_exit=peer.get("start_exit")
                 )
                 return
+            if self.going_down():
+                return
             self.record(st, now, "worker-joined", after_s=after, worker=peer.get("host"))
             start = run_command(
                 self.args.start_cmd, self.values, timeout_s=self.args.start_timeout_s
@@ -640,6 +642,8 @@ class PairFollower(PairMember):
             return
         if self.mixed:
             self.refuse_mixed(st, now)  # never joins a head of another release
+            return
+        if self.going_down():
             return
         self.clean_shm(st, now)
         start = run_command(self.args.start_cmd, self.values, timeout_s=self.args.start_timeout_s)

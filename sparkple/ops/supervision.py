@@ -67,6 +67,8 @@ class Supervisor:
         self.kinds = set(args.breaker_kinds.split(","))
         self.alerter = Alerter(self.state_dir, min_interval_s=args.alert_min_interval_s)
         self.table_device = table_device(args)
+        # set by SIGTERM: its unit is being stopped, maybe as its node shuts down
+        self.stopping = threading.Event()
 
     # -- state -------------------------------------------------------------------------------
     def fresh(self) -> dict[str, Any]:
@@ -134,11 +136,19 @@ class Supervisor:
         with locked(self.lock):
             now = time.time()
             st = self.load()
+            if self.going_down():
+                return st
             st["table_device"] = self.table_device  # for `status` run without --table-dir
             self.step(st, now)
             self.heartbeat(st, now)
             self.save(st, now)
             return st
+
+    def going_down(self) -> bool:
+        """Told to stop: decide and start nothing more. On a node that shuts down, a start
+        fails (its systemd is going away), and that failure, saved, would be read after the
+        boot as the next launch's."""
+        return self.stopping.is_set()
 
     def heartbeat(self, st: dict[str, Any], now: float) -> None:
         """The opt-in daily "still alive" alert: silence from a host then means trouble."""
@@ -290,6 +300,8 @@ class Supervisor:
         waited = round(now - st["down_since"], 2)
         # the backoff this launch waited for (the history shows it doubling, whatever the load)
         backoff = round(st["next_attempt_at"] - st["down_since"], 3)
+        if self.going_down():
+            return
         self.clean_shm(st, now)
         result = run_command(self.args.start_cmd, self.values, timeout_s=self.args.start_timeout_s)
         st["restarts"] += 1
@@ -339,7 +351,7 @@ class Supervisor:
         self.alerter.send("supervisor-hold", f"supervisor holds: {reason}; reset to retry")
 
     def run(self) -> int:
-        stop = threading.Event()
+        stop = self.stopping
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
         log(

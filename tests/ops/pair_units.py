@@ -3,7 +3,9 @@ HTTP server (python -m http.server) whose /health answers 200, managed as system
 
   pair_units.py start DIR       start it detached on the port in DIR/port, wait for /health 200,
                                 then append DIR's name to DIR/../starts.log (the start order)
-  pair_units.py stop DIR        SIGTERM, wait for the exit
+  pair_units.py stop DIR        SIGTERM, wait for the exit (when DIR/slow-stop exists, first
+                                write DIR/stopping and sleep the seconds it holds: a node whose
+                                stop takes a while)
   pair_units.py is-active DIR   exit 0 while it runs (when DIR/pause-once exists, first sleep
                                 the seconds it holds and remove it: a slow first check)
 """
@@ -49,6 +51,10 @@ def start(directory: Path) -> int:
 
 
 def stop(directory: Path) -> int:
+    slow = directory / "slow-stop"
+    if slow.exists():
+        (directory / "stopping").touch()
+        time.sleep(float(slow.read_text()))
     pid = read_pid(directory / "pid")
     if pid is None or not alive(pid):
         return 0

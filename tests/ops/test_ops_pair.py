@@ -598,3 +598,37 @@ def test_after_a_power_cycle_the_pair_starts_in_its_order_without_an_incident(
     assert starts(tmp_path) == ["worker", "head", "worker", "head"]
     assert head.events("pair-broken") == [] and not (head.state / "markers").exists()
     assert head.events("launch-failed") == [] and head.events("ready-timeout") == []
+
+
+def test_a_supervisor_told_to_stop_mid_check_starts_nothing(tmp_path, pair, procs):
+    """A reboot of both nodes, one after the other (the head first): the head's supervisor,
+    booted, launches a new generation while the worker's node is going down. The worker's
+    supervisor, stopping its old generation's unit when SIGTERM arrives, starts nothing more (on
+    a node shutting down that start fails, and its failure, saved, was read after the worker's
+    boot as the launch's: a `launch-failed` and a backoff in every power cycle of the lab pair).
+    After its boot the pair launches at once, without a failure."""
+    head, worker = pair
+    worker_sup = procs(worker.supervisor(head))
+    head_sup = procs(head.supervisor(worker))
+    up_and_ready(head, worker, "the pair launched")
+    head_sup.kill()
+    head_sup.wait(10)
+    head.kill_unit()
+    head.boot.unlink()
+    (worker.unit / "slow-stop").write_text("2")
+    since = time.time()
+    procs(head.supervisor(worker))
+    wait_for(lambda: (worker.unit / "stopping").exists(), 20, "the worker stopping generation 1")
+    worker_sup.terminate()  # SIGTERM, as systemd stops the unit at shutdown
+    assert worker_sup.wait(20) == 0
+    [stopped] = worker.events("worker-stopped", since)
+    assert stopped["reason"] == "generation-moved-on"
+    assert worker.events("worker-started", since) == [], "a start after SIGTERM"
+    assert worker.st()["pair"]["generation"] == 1 and not worker.active()
+    # its boot: a new supervisor (the marker gone with /run)
+    (worker.unit / "slow-stop").unlink()
+    worker.boot.unlink(missing_ok=True)
+    procs(worker.supervisor(head))
+    wait_for(lambda: running(head) and head.events("ready", since), 20, "the pair serving")
+    assert [s["generation"] for s in worker.events("worker-started", since)] == [2]
+    assert head.events("launch-failed", since) == [] and head.events("pair-broken") == []
