@@ -315,7 +315,7 @@ def build(python: str, out: Path, target: Target) -> Path:
         (bundle / "carried.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
         (bundle / "needs.json").write_text(json.dumps(carry.needs, indent=2, sort_keys=True))
         out.parent.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(out, "w:gz", compresslevel=9) as archive:
+        with tarfile.open(out, "w:gz", compresslevel=6) as archive:  # 9: as small, 2.5x the CPU
             archive.add(stage, arcname=NAME)
     size = out.stat().st_size
     if size > MAX_BYTES:
