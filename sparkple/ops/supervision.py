@@ -297,11 +297,11 @@ class Supervisor:
         return True
 
     def launch(self, st: dict[str, Any], now: float) -> None:
+        if self.going_down():
+            return
         waited = round(now - st["down_since"], 2)
         # the backoff this launch waited for (the history shows it doubling, whatever the load)
         backoff = round(st["next_attempt_at"] - st["down_since"], 3)
-        if self.going_down():
-            return
         self.clean_shm(st, now)
         result = run_command(self.args.start_cmd, self.values, timeout_s=self.args.start_timeout_s)
         st["restarts"] += 1
@@ -351,17 +351,16 @@ class Supervisor:
         self.alerter.send("supervisor-hold", f"supervisor holds: {reason}; reset to retry")
 
     def run(self) -> int:
-        stop = self.stopping
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, lambda *_: self.stopping.set())
         log(
             f"supervising {self.args.unit}: backoff {self.args.backoff_base_s:g} s x 2^n "
             f"(cap {self.args.backoff_cap_s:g} s), hold after {self.args.hold_after}, breaker "
             f"at {self.args.breaker_count} in {self.args.breaker_window_s:g} s"
         )
-        while not stop.is_set():
+        while not self.stopping.is_set():
             self.tick()
-            stop.wait(self.args.poll_s)
+            self.stopping.wait(self.args.poll_s)
         self.alerter.drain()
         return 0
 
