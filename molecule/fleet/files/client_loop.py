@@ -204,7 +204,7 @@ def main() -> int:
     p.add_argument("--stop-file", required=True)
     p.add_argument("--ready-file", required=True, help="written once the load is steady")
     p.add_argument("--gateway-show", required=True, help="command printing the servers' JSON")
-    p.add_argument("--poll-s", type=float, default=0.2)
+    p.add_argument("--poll-s", type=float, default=0.5)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     load = Load(args)
