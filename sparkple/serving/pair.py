@@ -188,7 +188,7 @@ def _node(host: str, hv: Mapping[str, Any]) -> PairNode:
         if not isinstance(value, str) or not value.strip():
             raise ServingError(
                 f"{host} is in pair {hv.get('sparkple_pair')!r} but {var} is not set: "
-                "set it in the host's inventory vars (see README, Two Sparks)"
+                "set it in the host's inventory vars (see docs/two-sparks.md)"
             )
         return value.strip()
 

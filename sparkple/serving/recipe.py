@@ -346,7 +346,7 @@ PAIR_FLAGS: dict[str, Any] = {
     "--master-port": int,
     "--headless": None,
 }
-PAIR_OWNER = "the pair (sparkple_pair and sparkple_pair_*; README, Two Sparks)"
+PAIR_OWNER = "the pair (sparkple_pair and sparkple_pair_*; docs/two-sparks.md)"
 # vLLM 0.33's short forms of the pair's flags (engine/arg_utils.py; -tp: PLE_UNSERVABLE below).
 PAIR_SHORT = {"-n": "--nnodes", "-r": "--node-rank"}
 
@@ -382,7 +382,7 @@ PLE_UNSERVABLE: dict[str, tuple[str, str]] = {
     "--tensor-parallel-size": (
         "-tp",
         "the packed table serves one rank per Spark (TP 2 is two Sparks as a pair, which sets "
-        "the size itself: sparkple_pair; README, Two Sparks)",
+        "the size itself: sparkple_pair; docs/two-sparks.md)",
     ),
     "--prefill-context-parallel-size": ("-pcp", "tokens are split across ranks after the PLE step"),
     "--enable-dbo": ("", "the PLE rows are uploaded per batch, not per micro-batch"),

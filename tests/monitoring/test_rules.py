@@ -454,7 +454,7 @@ def test_every_alert_is_tested_and_says_what_to_do() -> None:
         notes = rule["annotations"]
         assert set(notes) == {"summary", "description"}, name
         assert rule["labels"]["severity"] in {"critical", "warning", "info"}, name
-        # the description names a command or a playbook the README's operations section uses
+        # the description names a command or a playbook docs/operations.md uses
         assert (
             any(
                 word in notes["description"]

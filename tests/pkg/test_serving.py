@@ -25,7 +25,7 @@ from sparkple.serving.cli import from_spec, variables
 from sparkple.serving.recipe import Recipe, ServingError
 
 ROOT = Path(__file__).resolve().parents[2]
-MEMTOTAL = int(119.7 * GIB)  # the README's worked example
+MEMTOTAL = int(119.7 * GIB)  # docs/serving.md's worked example
 
 
 def sizes(snapshot_gib: float, table_gib: float, mtp_gib: float = 0.0) -> SnapshotSizes:
@@ -254,7 +254,7 @@ def test_launch_gate_reads_memavailable(tmp_path: Path) -> None:
 
 
 def test_readme_worked_example() -> None:
-    """The README's table (MemTotal 119.7 GiB): utilization, KV left and container per row."""
+    """docs/serving.md's table (MemTotal 119.7 GiB): utilization, KV left and container per row."""
     rows = [
         (NVFP4, 4, 26, 0.782, 14.77, 101.61),
         (NVFP4, 8, 28, 0.766, 12.85, 99.69),

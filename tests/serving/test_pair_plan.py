@@ -17,7 +17,7 @@ from sparkple.serving.cli import PairRank, plan
 from sparkple.serving.recipe import ACCEPTED_FLAGS, OWNED_FLAGS, Recipe, ServingError
 
 ROOT = Path(__file__).resolve().parents[2]
-MEMTOTAL = int(119.7 * GIB)  # the README's worked examples
+MEMTOTAL = int(119.7 * GIB)  # docs/two-sparks.md's worked examples
 NVFP4 = SnapshotSizes(int(98.57 * GIB), int(26.82 * GIB), 0, 10, 1, None)
 PAIR = ["--tensor-parallel-size=2", "--nnodes=2"]
 RENDEZVOUS = ["--master-addr=192.168.100.10", "--master-port=29501"]
@@ -64,7 +64,7 @@ def test_each_rank_gets_its_multi_node_flags_and_a_per_rank_budget(snapshot: Pat
 
 
 def test_the_readme_worked_example_per_rank() -> None:
-    """README, Two Sparks: the NVFP4 checkpoint at the production recipe on 119.7 GiB Sparks."""
+    """docs/two-sparks.md: the NVFP4 checkpoint at the production recipe on 119.7 GiB Sparks."""
     one = compute_budget(NVFP4, recipe(), MEMTOTAL, BudgetKnobs())
     rank = compute_budget(NVFP4, recipe(), MEMTOTAL, BudgetKnobs(), tp_size=2)
     assert (one.weights_gib, rank.weights_gib) == (71.75, 35.875)
@@ -122,7 +122,7 @@ def test_the_plan_command_takes_the_pair(snapshot: Path) -> None:
 
 
 def test_the_documented_inventories_describe_a_valid_pair() -> None:
-    """README, Two Sparks, and inventory/example/hosts.yml's commented pair, as sparkple reads
+    """docs/two-sparks.md and inventory/example/hosts.yml's commented pair, as sparkple reads
     them (the same checks the roles' filter runs)."""
     import re
 
@@ -130,9 +130,8 @@ def test_the_documented_inventories_describe_a_valid_pair() -> None:
 
     from sparkple.serving.pair import pairs_of
 
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("\n## Two Sparks\n", 1)[1]
-    (block,) = re.findall(r"### The inventory\n.*?```yaml\n(.*?)```", section, re.S)
+    section = (ROOT / "docs" / "two-sparks.md").read_text()
+    (block,) = re.findall(r"## The inventory\n.*?```yaml\n(.*?)```", section, re.S)
     example = (ROOT / "inventory/example/hosts.yml").read_text()
     commented = [line[6:] for line in example.splitlines() if line.startswith("    # ") and
                  re.match(r"    # ( {2})?[a-z_0-9-]+:", line)]  # fmt: skip
