@@ -40,7 +40,7 @@ two nodes (docs/tensor-parallel.md; the link itself is lab_pair.py):
 - the head's engine listens on --master-port (all addresses) for its worker once its table is
   open. /health answers 503 "waiting for node 1 of the pair at <addr>:<port>" until the worker
   joined, then 200 while it stays connected; a second worker is refused. When the worker goes
-  (its connection closes, or its heartbeat stops for a second: a SIGSTOPped worker), /health
+  (its connection closes, or its heartbeat stops for 3 s: a SIGSTOPped worker), /health
   answers 503 and generations fail at once, and the engine exits 1 after
   SPARKPLE_LAB_PEER_TIMEOUT_S, so the front exits 1: vLLM's head notices only when a step needs
   the worker, its engine core dies once the step's RPC times out

@@ -15,6 +15,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def ansible_playbook() -> str:
+    """The ansible-playbook beside this Python (the checkout's venv), else the one on PATH."""
+    beside = Path(sys.executable).parent / "ansible-playbook"
+    found = str(beside) if beside.exists() else shutil.which("ansible-playbook")
+    if not found:
+        pytest.skip("ansible-playbook is not installed (run .ci/setup-venv)")
+    return found
+
+
 def run_playbook(
     workdir: Path,
     playbook: str,
@@ -24,10 +33,7 @@ def run_playbook(
     timeout: int = 180,
 ) -> subprocess.CompletedProcess[str]:
     """Write `playbook` to workdir/play.yml and run it on localhost with `variables` as -e."""
-    exe = Path(sys.executable).parent / "ansible-playbook"
-    found = str(exe) if exe.exists() else shutil.which("ansible-playbook")
-    if not found:
-        pytest.skip("ansible-playbook is not installed (run .ci/setup-venv)")
+    found = ansible_playbook()
     (workdir / "play.yml").write_text(playbook)
     roles_path = str(ROOT / "roles") + (f":{more_roles}" if more_roles else "")
     env = dict(os.environ, ANSIBLE_ROLES_PATH=roles_path)

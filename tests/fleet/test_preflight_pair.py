@@ -11,12 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from ansible_local import ansible_playbook
 from hf_snapshot import hf_cache_snapshot
 
 from sparkple.serving.link import ipv4_mapped_gid
@@ -114,10 +114,7 @@ def link_tree(root: Path, address: str, gid_index: int, mtu: int = 9000) -> list
 def run_pair(
     work: Path, head: dict, worker: dict, *limit: str, link: dict | None = None
 ) -> subprocess.CompletedProcess:
-    exe = Path(sys.executable).parent / "ansible-playbook"
-    found = str(exe) if exe.exists() else shutil.which("ansible-playbook")
-    if not found:
-        pytest.skip("ansible-playbook is not installed (run .ci/setup-venv)")
+    found = ansible_playbook()
     local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
              "sparkple_host_python": f"/usr/bin/env PYTHONPATH={ROOT} {sys.executable}",
              "sparkple_pair": "p1", "sparkple_pair_link_interface": "lo",

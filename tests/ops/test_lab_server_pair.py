@@ -31,8 +31,8 @@ from sparkple.serving.pair import Pair, PairNode
 HEAD, WORKER = "spark-a", "spark-b"
 # The lab's stand-in for VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s on a Spark).
 PEER_TIMEOUT_S = 1.5
-# How soon the head must see its worker gone: a heartbeat missing for a second, and the polls.
-DETECT_S = 2.5
+# How soon the head must see its worker gone: a heartbeat missing for 3 s, and the polls.
+DETECT_S = 4.5
 
 
 def pair_at(master_port: int) -> Pair:

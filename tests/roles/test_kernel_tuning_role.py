@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from ansible_local import ansible_playbook
 
 ROOT = Path(__file__).resolve().parents[2]
 DETECT_VIRT = "#!/bin/sh\necho none\nexit 1\n"
@@ -54,10 +54,7 @@ def host(tmp_path: Path) -> Path:
 
 
 def run_role(work: Path, **knobs: object) -> subprocess.CompletedProcess[str]:
-    exe = Path(sys.executable).parent / "ansible-playbook"
-    found = str(exe) if exe.exists() else shutil.which("ansible-playbook")
-    if not found:
-        pytest.skip("ansible-playbook is not installed (run .ci/setup-venv)")
+    found = ansible_playbook()
     proc_sys = work / "proc-sys"
     variables = {
         "ansible_python_interpreter": sys.executable,

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from ansible_local import ansible_playbook
 
 ROOT = Path(__file__).resolve().parents[2]
 START = "@1764700000"
@@ -33,10 +32,7 @@ SOCKET = "h:1:2 [0] NCCL INFO NET/IB : No device found.\nh:1:2 [0] NCCL INFO Usi
 
 
 def run_gate(tmp_path: Path, journal: str, **more: object) -> subprocess.CompletedProcess:
-    exe = Path(sys.executable).parent / "ansible-playbook"
-    found = str(exe) if exe.exists() else shutil.which("ansible-playbook")
-    if not found:
-        pytest.skip("ansible-playbook is not installed (run .ci/setup-venv)")
+    found = ansible_playbook()
     shims = tmp_path / "bin"
     shims.mkdir(exist_ok=True)
     for name, text in (("systemctl", SYSTEMCTL), ("journalctl", JOURNALCTL)):

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ansible_local import ansible_playbook
 from hf_snapshot import hf_cache_snapshot
 
 from sparkple.serving.budget import GIB, BudgetKnobs
@@ -56,10 +57,7 @@ def pairs(words: list[str], flag: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def units(tmp_path_factory) -> dict[str, str]:
-    exe = Path(sys.executable).parent / "ansible-playbook"
-    found = str(exe) if exe.exists() else shutil.which("ansible-playbook")
-    if not found:
-        pytest.skip("ansible-playbook is not installed (run .ci/setup-venv)")
+    found = ansible_playbook()
     work = tmp_path_factory.mktemp("unit")
     snapshot = hf_cache_snapshot(work, files=2, seed=7)
     recipe = Recipe(model="/models/m/snapshots/rev", served_model_name="qwen3.8-flash-next")

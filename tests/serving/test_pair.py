@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from ansible_local import ansible_playbook
 
 from sparkple.serving.pair import pair_of, pairs_of
 from sparkple.serving.recipe import ServingError
@@ -139,10 +139,7 @@ def test_a_pair_described_wrong_is_refused_naming_host_and_variable(
 
 
 def test_the_roles_see_each_hosts_side_of_its_pair(tmp_path: Path) -> None:
-    exe = Path(sys.executable).parent / "ansible-playbook"
-    found = str(exe) if exe.exists() else shutil.which("ansible-playbook")
-    if not found:
-        pytest.skip("ansible-playbook is not installed (run .ci/setup-venv)")
+    found = ansible_playbook()
     hosts = inventory()
     local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
     (tmp_path / "hosts.json").write_text(

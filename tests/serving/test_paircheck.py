@@ -10,13 +10,13 @@ import contextlib
 import io
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from ansible_local import ansible_playbook
 
 from sparkple.cli import main as cli_main
 from sparkple.serving.paircheck import MIB, Figure, bus_factor
@@ -197,13 +197,6 @@ def test_bus_bandwidth_is_nccl_tests_all_reduce_correction() -> None:
 
 
 # --- the playbook: both ranks at once on two hosts of a real ansible-playbook run -------------
-
-
-def ansible_playbook() -> str:
-    beside = Path(sys.executable).parent / "ansible-playbook"
-    found = str(beside) if beside.exists() else shutil.which("ansible-playbook")
-    assert found, "ansible-playbook is not installed: run .ci/setup-venv"
-    return found
 
 
 def pair_inventory(tmp_path: Path) -> dict[str, Path]:
