@@ -446,11 +446,18 @@ def test_a_starting_supervisor_answers_starting_and_its_peer_waits(tmp_path, pai
     )  # fmt: skip
     assert side["unit_active"] is None and side["generation"] is None
     wait_for(lambda: head.st()["pair"]["peer"].get("state") == "starting", 5, "the head reads it")
+    read_starting = time.time()
     assert head.st()["pair"]["peer"]["reachable"] is True
     wait_for(lambda: (worker.unit / "pause-once").exists() is False, 10, "the slow check")
     wait_for(lambda: worker.side()["state"] == "running", 10, "the worker's first check")
-    later = {h["event"] for h in head.st()["history"] if h["time"] >= since}
-    assert not later & {"peer-mismatch", "peer-unreachable", "pair-broken", "relaunch"}, later
+    history = head.st()["history"]
+    # until the new supervisor listens, the head may find no one (on a loaded machine a Python
+    # start outlasts a poll): that is recorded, and decides nothing
+    later = {h["event"] for h in history if h["time"] >= since}
+    assert not later & {"peer-mismatch", "pair-broken", "relaunch"}, later
+    # once it answers "starting", it is reachable throughout its slow first check
+    answering = {h["event"] for h in history if h["time"] >= read_starting}
+    assert "peer-unreachable" not in answering, answering
     assert head.active() and worker.active() and starts(tmp_path) == ["worker", "head"]
 
 
