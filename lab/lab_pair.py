@@ -42,9 +42,9 @@ from sparkple.runtime.tablemeta import TableMeta
 
 HEAD, WORKER = 0, 1
 HEARTBEAT_S = 0.25
-# A peer silent this long is gone. Not less: on a loaded 2-core CI machine (three scenarios and
-# pytest at once) a live node's heartbeat thread went unscheduled for over a second, and the
-# head took its worker for gone (vLLM's own head waits out a 300 s step timeout).
+# A peer silent this long is gone. Not less: with three scenarios and pytest at once on a 2-core
+# CI machine, a lab pair's head took its live worker for gone twice, most likely a heartbeat
+# thread left unscheduled for over a second (vLLM's own head waits out a 300 s step timeout).
 PEER_SILENCE_S = 3.0
 # How long a connected peer gets to send its hello line.
 HELLO_TIMEOUT_S = 5.0
