@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from ansible_local import ansible_playbook
 from hf_snapshot import hf_cache_snapshot
+from pair_inventory import pair_hostvars
 
 from sparkple.serving.link import ipv4_mapped_gid
 from sparkple.serving.pair import disagreements
@@ -115,20 +116,20 @@ def run_pair(
     work: Path, head: dict, worker: dict, *limit: str, link: dict | None = None
 ) -> subprocess.CompletedProcess:
     found = ansible_playbook()
-    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
-             "sparkple_host_python": f"/usr/bin/env PYTHONPATH={ROOT} {sys.executable}",
-             "sparkple_pair": "p1", "sparkple_pair_link_interface": "lo",
-             "sparkple_pair_ib_hca": "rocep1s0f1"}  # fmt: skip
+    local = {
+        "ansible_connection": "local",
+        "ansible_python_interpreter": sys.executable,
+        "sparkple_host_python": f"/usr/bin/env PYTHONPATH={ROOT} {sys.executable}",
+    }
     work.mkdir(exist_ok=True)
     trees = {h: link_tree(work / f"{h}-tree", a, 5 if h == "spark-a" else 2)
              for h, a in LINK.items()}  # fmt: skip
     hosts = {
-        "spark-a": {**local, **head, "sparkple_pair_rank": 0,
-                    "sparkple_pair_link_address": LINK["spark-a"],
-                    "preflight_pair_link_check_args": trees["spark-a"]},
-        "spark-b": {**local, **worker, "sparkple_pair_rank": 1,
-                    "sparkple_pair_link_address": LINK["spark-b"],
-                    "preflight_pair_link_check_args": trees["spark-b"]},
+        **pair_hostvars(
+            addresses=(LINK["spark-a"], LINK["spark-b"]), interface="lo", both=local,
+            head={**head, "preflight_pair_link_check_args": trees["spark-a"]},
+            worker={**worker, "preflight_pair_link_check_args": trees["spark-b"]},
+        ),
         "spark-c": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable},
     }  # fmt: skip
     for host, more in (link or {}).items():

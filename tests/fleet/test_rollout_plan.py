@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from ansible.errors import AnsibleFilterError
+from pair_inventory import pair_hostvars
 
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location(
@@ -17,22 +18,13 @@ assert spec and spec.loader
 plugin = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(plugin)
 
-
-def pair_node(name: str, rank: int, address: str) -> dict[str, object]:
-    return {
-        "sparkple_pair": name,
-        "sparkple_pair_rank": rank,
-        "sparkple_pair_link_address": address,
-        "sparkple_pair_link_interface": "eth0",
-        "sparkple_pair_ib_hca": "rocep1s0f1",
-    }
-
-
+PAIR = pair_hostvars(hosts=("h", "w"), pair="p", addresses=("10.0.0.1", "10.0.0.2"),
+                     interface="eth0")  # fmt: skip
 HOSTVARS = {
     # the worker listed before its head: the plan still puts the head first
-    "w": pair_node("p", 1, "10.0.0.2"),
+    "w": PAIR["w"],
     "a": {},
-    "h": pair_node("p", 0, "10.0.0.1"),
+    "h": PAIR["h"],
     "b": {},
     "c": {},
 }

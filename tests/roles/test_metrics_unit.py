@@ -13,23 +13,18 @@ from pathlib import Path
 import pytest
 import yaml
 from ansible_local import run_playbook
+from pair_inventory import pair_hostvars
 
 from sparkple.ops.metrics import parse_args
 from sparkple.serving.pair import pair_of
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = ROOT / "roles" / "ple_metrics"
-HOSTVARS = {
-    "spark-a": {"sparkple_pair": "p1", "sparkple_pair_rank": 0,
-                "sparkple_pair_link_address": "192.168.100.10",
-                "sparkple_pair_link_interface": "enp1s0f1np1",
-                "sparkple_pair_ib_hca": "rocep1s0f1"},
-    # a cross-wired worker: another interface and device
-    "spark-b": {"sparkple_pair": "p1", "sparkple_pair_rank": 1,
-                "sparkple_pair_link_address": "192.168.100.11",
-                "sparkple_pair_link_interface": "enP2p1s0f1np1",
-                "sparkple_pair_ib_hca": "roceP2p1s0f1"},
-}  # fmt: skip
+# a cross-wired worker: another interface and device
+HOSTVARS = pair_hostvars(
+    hcas=("rocep1s0f1", "roceP2p1s0f1"),
+    worker={"sparkple_pair_link_interface": "enP2p1s0f1np1"},
+)
 PLAY = """
 - hosts: localhost
   gather_facts: false

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from ansible_local import ansible_playbook
+from pair_inventory import pair_hostvars
 
 ROOT = Path(__file__).resolve().parents[2]
 START = "@1764700000"
@@ -39,14 +40,14 @@ def run_gate(tmp_path: Path, journal: str, **more: object) -> subprocess.Complet
         (shims / name).write_text(text)
         (shims / name).chmod(0o755)
     (tmp_path / "journal.txt").write_text(journal)
-    node = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
-            "sparkple_host_python": f"/usr/bin/env PYTHONPATH={ROOT} {sys.executable}",
-            "sparkple_pair": "p1", "sparkple_pair_link_interface": "lo",
-            "sparkple_pair_ib_hca": "rocep1s0f1", **more}  # fmt: skip
-    hosts = {
-        host: {**node, "sparkple_pair_rank": rank, "sparkple_pair_link_address": address}
-        for host, rank, address in (("spark-a", 0, "127.0.0.10"), ("spark-b", 1, "127.0.0.11"))
+    local = {
+        "ansible_connection": "local",
+        "ansible_python_interpreter": sys.executable,
+        "sparkple_host_python": f"/usr/bin/env PYTHONPATH={ROOT} {sys.executable}",
     }
+    hosts = pair_hostvars(
+        addresses=("127.0.0.10", "127.0.0.11"), interface="lo", both={**local, **more}
+    )
     (tmp_path / "hosts.json").write_text(json.dumps({"sparks": {"hosts": hosts}}))
     (tmp_path / "play.yml").write_text(
         "- hosts: spark-a\n  gather_facts: false\n  tasks:\n"

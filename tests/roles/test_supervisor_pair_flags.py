@@ -10,18 +10,13 @@ from pathlib import Path
 
 import pytest
 from ansible_local import run_playbook
+from pair_inventory import pair_hostvars
 
 from sparkple.ops.supervisor import parse_args
 from sparkple.serving.pair import pair_of
 
 ROOT = Path(__file__).resolve().parents[2]
-NODE = {"sparkple_pair": "p1", "sparkple_pair_link_interface": "enp1s0f0np0"}
-HOSTVARS = {
-    "spark-a": {**NODE, "sparkple_pair_rank": 0, "sparkple_pair_link_address": "192.168.100.10",
-                "sparkple_pair_ib_hca": "rocep1s0f0"},
-    "spark-b": {**NODE, "sparkple_pair_rank": 1, "sparkple_pair_link_address": "192.168.100.11",
-                "sparkple_pair_ib_hca": "rocep1s0f1"},
-}  # fmt: skip
+HOSTVARS = pair_hostvars(interface="enp1s0f0np0", hcas=("rocep1s0f0", "rocep1s0f1"))
 PLAY = """
 - hosts: localhost
   gather_facts: false

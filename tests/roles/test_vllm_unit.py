@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from ansible_local import ansible_playbook
 from hf_snapshot import hf_cache_snapshot
+from pair_inventory import HEAD_ADDRESS, WORKER_ADDRESS, pair_hostvars
 
 from sparkple.serving.budget import GIB, BudgetKnobs
 from sparkple.serving.cli import PairRank, plan
@@ -26,18 +27,7 @@ from sparkple.serving.recipe import Recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = ROOT / "roles" / "vllm_service"
-HEAD_IP, WORKER_IP = "192.168.100.10", "192.168.100.11"
 RELEASE, MANIFEST = "1f0c2a9be47d3e55", "c0ffee" + "0" * 58
-
-
-def pair_node(rank: int, address: str, hca: str) -> dict[str, object]:
-    return {
-        "sparkple_pair": "p1",
-        "sparkple_pair_rank": rank,
-        "sparkple_pair_link_address": address,
-        "sparkple_pair_link_interface": "enp1s0f1np1",
-        "sparkple_pair_ib_hca": hca,
-    }
 
 
 def exec_start(unit: str) -> list[str]:
@@ -62,18 +52,19 @@ def units(tmp_path_factory) -> dict[str, str]:
     snapshot = hf_cache_snapshot(work, files=2, seed=7)
     recipe = Recipe(model="/models/m/snapshots/rev", served_model_name="qwen3.8-flash-next")
     memtotal = int(119.7 * GIB)
-    ranks = {"spark-a": PairRank(0, HEAD_IP, 29501), "spark-b": PairRank(1, HEAD_IP, 29501)}
+    ranks = {
+        "spark-a": PairRank(0, HEAD_ADDRESS, 29501),
+        "spark-b": PairRank(1, HEAD_ADDRESS, 29501),
+    }
     local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
              "model_checkpoint_snapshot_dir": str(snapshot),
              "sparkple_image": "sparkple:test"}  # fmt: skip
     hosts = {
-        "spark-a": pair_node(0, HEAD_IP, "rocep1s0f1"),
         # a cross-wired worker, and ulimits without memlock: the pair adds it
-        "spark-b": {
-            **pair_node(1, WORKER_IP, "roceP2p1s0f1"),
-            "sparkple_pair_ib_gid_index": 1,
-            "vllm_service_ulimits": ["stack=67108864"],
-        },  # fmt: skip
+        **pair_hostvars(
+            hcas=("rocep1s0f1", "roceP2p1s0f1"),
+            worker={"sparkple_pair_ib_gid_index": 1, "vllm_service_ulimits": ["stack=67108864"]},
+        ),
         "spark-c": {"vllm_patches_manifest_sha256": MANIFEST},  # the hash by vllm_patches' fact
         "spark-d": {},  # unpatched, outside a rollout
     }
@@ -115,7 +106,7 @@ def test_each_node_of_the_pair_gets_its_flags_env_and_devices(units: dict[str, s
         assert pairs(words, "--ulimit").count("memlock=-1") == 1
         assert words[words.index("--distributed-executor-backend=mp") + 1 :][:5] == [
             "--tensor-parallel-size=2", "--nnodes=2", f"--node-rank={int(words is worker)}",
-            f"--master-addr={HEAD_IP}", "--master-port=29501",
+            f"--master-addr={HEAD_ADDRESS}", "--master-port=29501",
         ]  # fmt: skip
     assert "--headless" in worker and "--headless" not in head
     assert "--ulimit" in worker and pairs(worker, "--ulimit") == ["stack=67108864", "memlock=-1"]
@@ -124,7 +115,7 @@ def test_each_node_of_the_pair_gets_its_flags_env_and_devices(units: dict[str, s
     # IB forced (a missing IB path fails NCCL's init), its init lines logged for the head's
     # check; no GID index on the command line: the link check finds it at each start
     assert {k: v for k, v in env["spark-b"].items() if k.startswith(link)} == {
-        "VLLM_HOST_IP": WORKER_IP,
+        "VLLM_HOST_IP": WORKER_ADDRESS,
         "NCCL_SOCKET_IFNAME": "enp1s0f1np1",
         "GLOO_SOCKET_IFNAME": "enp1s0f1np1",
         "NCCL_NET": "IB",
@@ -134,7 +125,7 @@ def test_each_node_of_the_pair_gets_its_flags_env_and_devices(units: dict[str, s
         "NCCL_DEBUG_SUBSYS": "INIT,NET",
     }  # fmt: skip
     assert (env["spark-a"]["VLLM_HOST_IP"], env["spark-a"]["NCCL_IB_HCA"]) == (
-        HEAD_IP,
+        HEAD_ADDRESS,
         "rocep1s0f1",
     )
     assert "NCCL_IB_GID_INDEX" not in env["spark-a"]
@@ -157,12 +148,12 @@ def test_each_node_checks_its_link_before_each_start(units: dict[str, str]) -> N
     # index to verify; the index it finds reaches docker through its env file
     assert worker[worker.index("pair-link-check") :] == [
         "pair-link-check", "--host=spark-b", "--interface=enp1s0f1np1",
-        f"--address={WORKER_IP}", f"--peer-address={HEAD_IP}", "--peer-port=29501",
+        f"--address={WORKER_ADDRESS}", f"--peer-address={HEAD_ADDRESS}", "--peer-port=29501",
         "--mtu=9000", "--transport=ib", "--ib-hca=roceP2p1s0f1", "--gid-index=1",
         f"--env-file={env_file}",
     ]  # fmt: skip
     (head,) = checks["spark-a"]
-    assert f"--peer-address={WORKER_IP}" in head and not [w for w in head if "gid-index" in w]
+    assert f"--peer-address={WORKER_ADDRESS}" in head and not [w for w in head if "gid-index" in w]
     pre = re.findall(r"^ExecStartPre=.*?(launch-gate|pair-link-check)", units["spark-a"], re.M)
     assert pre == ["launch-gate", "pair-link-check"]
     for host in ("spark-a", "spark-b"):
@@ -184,7 +175,7 @@ def test_a_single_spark_unit_has_nothing_of_a_pair(units: dict[str, str]) -> Non
     added = [["--device", "/dev/infiniband"], ["--env-file", "/run/sparkple-vllm-link.env"],
              *(["--env", e] for e in pair_env),
              ["--tensor-parallel-size=2", "--nnodes=2", "--node-rank=0",
-              f"--master-addr={HEAD_IP}", "--master-port=29501"]]  # fmt: skip
+              f"--master-addr={HEAD_ADDRESS}", "--master-port=29501"]]  # fmt: skip
     assert budgetless(without(head, added)) == budgetless(single)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from ansible_local import ansible_playbook
+from pair_inventory import pair_hostvars, pair_node
 
 from sparkple.serving.pair import pair_of, pairs_of
 from sparkple.serving.recipe import ServingError
@@ -18,21 +19,11 @@ from sparkple.serving.recipe import ServingError
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def node(rank: int, address: str, hca: str = "rocep1s0f1", **more: object) -> dict[str, object]:
-    return {
-        "sparkple_pair": "p1",
-        "sparkple_pair_rank": rank,
-        "sparkple_pair_link_address": address,
-        "sparkple_pair_link_interface": "enp1s0f1np1",
-        "sparkple_pair_ib_hca": hca,
-        **more,
-    }
-
-
 def inventory() -> dict[str, dict[str, object]]:
     return {
-        "spark-a": node(0, "192.168.100.10"),
-        "spark-b": node(1, "192.168.100.11", hca="roceP2p1s0f1", sparkple_pair_ib_gid_index=1),
+        **pair_hostvars(
+            hcas=("rocep1s0f1", "roceP2p1s0f1"), worker={"sparkple_pair_ib_gid_index": 1}
+        ),
         "spark-c": {},
     }
 
@@ -94,33 +85,33 @@ def test_a_socket_pair_is_chosen_explicitly_and_disables_ib() -> None:
     ("change", "message"),
     [
         ({"spark-b": None}, "pair p1 has 1 host(s) (spark-a)"),
-        ({"spark-c": node(1, "192.168.100.12")}, "pair p1 has 3 host(s)"),
-        ({"spark-b": node(0, "192.168.100.11")}, "both have sparkple_pair_rank 0"),
-        ({"spark-b": node(2, "192.168.100.11")}, "spark-b: sparkple_pair_rank is 2"),
-        ({"spark-b": node(1, "")}, "spark-b is in pair 'p1' but sparkple_pair_link_address"),
-        ({"spark-b": node(1, "192.168.100.10")}, "the same sparkple_pair_link_address"),
+        ({"spark-c": pair_node(1, "192.168.100.12")}, "pair p1 has 3 host(s)"),
+        ({"spark-b": pair_node(0, "192.168.100.11")}, "both have sparkple_pair_rank 0"),
+        ({"spark-b": pair_node(2, "192.168.100.11")}, "spark-b: sparkple_pair_rank is 2"),
+        ({"spark-b": pair_node(1, "")}, "spark-b is in pair 'p1' but sparkple_pair_link_address"),
+        ({"spark-b": pair_node(1, "192.168.100.10")}, "the same sparkple_pair_link_address"),
         (
-            {"spark-b": node(1, "192.168.100.11", sparkple_pair_master_port=29600)},
+            {"spark-b": pair_node(1, "192.168.100.11", sparkple_pair_master_port=29600)},
             "sparkple_pair_master_port differs between spark-a and spark-b",
         ),
         (
-            {"spark-b": node(1, "192.168.100.11", sparkple_pair_ib_gid_index="x")},
+            {"spark-b": pair_node(1, "192.168.100.11", sparkple_pair_ib_gid_index="x")},
             "spark-b: sparkple_pair_ib_gid_index is 'x'",
         ),
         (
-            {"spark-b": node(1, "192.168.100.11", sparkple_pair_transport="tcp")},
+            {"spark-b": pair_node(1, "192.168.100.11", sparkple_pair_transport="tcp")},
             "spark-b: sparkple_pair_transport is 'tcp': use ib",
         ),
         (
-            {"spark-b": node(1, "192.168.100.11", sparkple_pair_transport="socket")},
+            {"spark-b": pair_node(1, "192.168.100.11", sparkple_pair_transport="socket")},
             "sparkple_pair_transport is ib on spark-a and socket on spark-b",
         ),
         (
-            {"spark-b": node(1, "192.168.100.11", sparkple_pair_link_mtu=1500)},
+            {"spark-b": pair_node(1, "192.168.100.11", sparkple_pair_link_mtu=1500)},
             "sparkple_pair_link_mtu is 9000 on spark-a and 1500 on spark-b",
         ),
         (
-            {"spark-b": node(1, "192.168.100.11", sparkple_pair_ib_hca="")},
+            {"spark-b": pair_node(1, "192.168.100.11", sparkple_pair_ib_hca="")},
             "spark-b is in pair 'p1' but sparkple_pair_ib_hca is not set",
         ),
     ],

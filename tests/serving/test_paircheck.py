@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from ansible_local import ansible_playbook
+from pair_inventory import pair_hostvars
 
 from sparkple.cli import main as cli_main
 from sparkple.serving.paircheck import MIB, Figure, bus_factor
@@ -211,22 +212,21 @@ def pair_inventory(tmp_path: Path) -> dict[str, Path]:
         )
         (release / "current").symlink_to("r1")
         releases[host] = release
-    node = {
-        "ansible_connection": "local",
-        "ansible_python_interpreter": sys.executable,
-        "ansible_become": False,
-        "sparkple_pair": "duo",
-        "sparkple_pair_link_interface": "lo",
-        "sparkple_pair_master_port": free_port() - 10,  # the check's port: master port + 10
-    }
-    hosts = {
-        "duo-head": {**node, "sparkple_pair_rank": 0, "sparkple_pair_link_address": "127.0.0.1",
-                     "sparkple_pair_ib_hca": "rocep1s0f1",
-                     "sparkple_release_dir": str(releases["duo-head"])},
-        "duo-worker": {**node, "sparkple_pair_rank": 1, "sparkple_pair_link_address": "127.0.0.2",
-                       "sparkple_pair_ib_hca": "roceP2p1s0f1",
-                       "sparkple_release_dir": str(releases["duo-worker"])},
-    }  # fmt: skip
+    hosts = pair_hostvars(
+        hosts=("duo-head", "duo-worker"),
+        pair="duo",
+        addresses=("127.0.0.1", "127.0.0.2"),
+        interface="lo",
+        hcas=("rocep1s0f1", "roceP2p1s0f1"),
+        both={
+            "ansible_connection": "local",
+            "ansible_python_interpreter": sys.executable,
+            "ansible_become": False,
+            "sparkple_pair_master_port": free_port() - 10,  # the check's port: master port + 10
+        },
+        head={"sparkple_release_dir": str(releases["duo-head"])},
+        worker={"sparkple_release_dir": str(releases["duo-worker"])},
+    )
     inventory = tmp_path / "inventory.json"
     inventory.write_text(json.dumps({"all": {"children": {"sparks": {"hosts": hosts}}}}))
     return releases
