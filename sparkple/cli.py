@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "pair-link-check": "sparkple.serving.linkcli",
     "pair-transport": "sparkple.serving.linkcli",
     "pair-check": "sparkple.serving.paircheck",
+    "bench": "sparkple.serving.benchmark",
     "snapshot-manifest": "sparkple.manifest",
     "synth-checkpoint": "sparkple.builder.synth",
     "build-table": "sparkple.builder.tablecli",

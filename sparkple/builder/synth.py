@@ -23,6 +23,7 @@ import numpy as np
 from ..geometry import PLEGeometry, RowFormat
 from ..runtime.nvfp4 import E4M3_MAX, float32_to_e4m3, global_scale_for, quantize_rows
 from .safetensors_io import DTYPES
+from .tokenizer import write_byte_tokenizer
 
 REAL_VOCAB_SIZE = 248_320
 REAL_EOS = 248_044
@@ -271,6 +272,8 @@ def synth_checkpoint(
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    # what a client that counts tokens loads (vLLM's serving benchmark): one token per byte
+    write_byte_tokenizer(out, max_length=int(cfg.get("max_position_embeddings", 32768)))
     return out
 
 

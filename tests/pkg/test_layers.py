@@ -37,8 +37,9 @@ THIRD_PARTY: dict[str, set[str]] = {
     "runtime": {"numpy", "torch", "triton"},
     "builder": {"numpy"},
     # pair-check's measurement only, imported when it runs in the serving image; the module
-    # stays standard-library on import (tests/serving/test_paircheck.py), as host programs need
-    "serving": {"torch"},
+    # stays standard-library on import (tests/serving/test_paircheck.py), as host programs need;
+    # matplotlib: the benchmark report's plot (the `bench` extra), imported when it draws
+    "serving": {"torch", "matplotlib"},
     "ops": set(),
     "patch": {"jinja2", "yaml"},
 }

@@ -102,3 +102,23 @@ def test_table_gib_option_sizes_the_table(quant):
     width = 90 if quant == "nvfp4" else 160
     base = vocab_base_for_bytes(2 * 2**30, width)
     assert abs(base * 16 * width / 2**30 - 2) < 0.01
+
+
+def test_the_synthetic_checkpoint_carries_a_byte_level_tokenizer(tmp_path) -> None:
+    """vLLM's serving benchmark loads a tokenizer from the model directory: the synthetic
+    checkpoint has one token per byte (256 distinct printable symbols) and an end-of-text
+    token, all below the smallest synthetic vocabulary."""
+    import json
+
+    from sparkple.builder.synth import synth_checkpoint
+    from sparkple.builder.tokenizer import BYTES, EOS, byte_symbols
+
+    snap = synth_checkpoint(tmp_path / "snap", vocab_base=300, files=1)
+    tok = json.loads((snap / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    assert len(vocab) == BYTES == len(set(byte_symbols()))
+    assert all(s.isprintable() and not s.isspace() for s in vocab)
+    assert sorted(vocab.values()) == list(range(BYTES)) and tok["model"]["merges"] == []
+    assert tok["added_tokens"][0]["id"] == BYTES and tok["added_tokens"][0]["content"] == EOS
+    config = json.loads((snap / "tokenizer_config.json").read_text())
+    assert config["eos_token"] == EOS and config["tokenizer_class"] == "PreTrainedTokenizerFast"
