@@ -39,8 +39,15 @@ def tokenizer_json() -> dict[str, object]:
         "truncation": None,
         "padding": None,
         "added_tokens": [
-            {"id": BYTES, "content": EOS, "single_word": False, "lstrip": False,
-             "rstrip": False, "normalized": False, "special": True}  # fmt: skip
+            {
+                "id": BYTES,
+                "content": EOS,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }  # fmt: skip
         ],
         "normalizer": None,
         "pre_tokenizer": {"type": "ByteLevel", **byte_level},
