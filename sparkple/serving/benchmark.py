@@ -40,7 +40,7 @@ KERNEL_SETTINGS = ("vm.swappiness", "vm.compaction_proactiveness", "vm.min_free_
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 GENERATED = "vllm:generation_tokens_total"
-DISK_READ = "ple_disk_read_bytes_total"
+DISK_READ = "sparkple_ple_disk_read_bytes_total"
 
 # Output tok/s others published for this model (docs/benchmark.md has each source, prompts and
 # settings): {setup: {streams: figure}}. Not comparable run for run: other prompts and settings.

@@ -153,6 +153,7 @@ def test_the_playbook_runs_vllms_benchmark_and_keeps_the_record_and_the_table(
         "sparkple_benchmark_prefill_input_len": 256,
         "sparkple_benchmark_model_dir": str(snap),
         "sparkple_benchmark_results_dir": str(tmp_path / "results"),
+        "sparkple_benchmark_metrics_unit": "",  # no systemd, no ple_metrics here
     }
     env = {k: v for k, v in os.environ.items() if k != "ANSIBLE_CONFIG"}
     env["ANSIBLE_ROLES_PATH"] = str(ROOT / "roles")
