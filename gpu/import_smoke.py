@@ -48,7 +48,7 @@ RENDERED = MODULES[:3]
 # What vLLM's CUDA detection returns on a machine with a GPU (vllm/platforms/__init__.py,
 # cuda_platform_plugin), and what the CUDA checks import beside MODULES.
 CUDA_PLATFORM_CLASS = "vllm.platforms.cuda.CudaPlatform"
-CUDA_CHECK_MODULES = ("sparkple.runtime.nvfp4_triton", "ple_equivalence")
+CUDA_CHECK_MODULES = ("sparkple.runtime.nvfp4_triton", "harness.ple_equivalence")
 
 
 def lay_over(rendered: Path) -> None:

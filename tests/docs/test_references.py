@@ -17,7 +17,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from wheel_cache import vllm_wheel
+
+from harness.wheel_cache import vllm_wheel
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"

@@ -27,9 +27,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-import ple_equivalence as eq
 import torch
 
+import harness.ple_equivalence as eq
 from sparkple.runtime.pagecache import PAGE_SIZE, resident_pages
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -34,8 +34,9 @@ SMOKE = sys.argv[1] in ("cpu", "--cpu-smoke")
 if SMOKE:
     sys.argv[1] = "cpu"  # ple_equivalence reads its device from argv[1]
 
-import ple_equivalence as eq  # noqa: E402
 import torch  # noqa: E402
+
+import harness.ple_equivalence as eq  # noqa: E402
 
 REPEATS = 1 if SMOKE else 20
 

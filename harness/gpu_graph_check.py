@@ -50,7 +50,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from ple_equivalence import (
+
+from harness.ple_equivalence import (
     DEVICE,
     MAX_REQS,
     NGRAM_MODULE,

@@ -855,7 +855,6 @@ def host_checks(stock_module, patched, state_module, snapshot: Path, table_dir: 
 def refusals(patched, snapshot: Path, table_dir: Path) -> dict:
     """Settings the packed table cannot serve are refused at construction, by name."""
     from transformers import Qwen4ExpTextConfig
-
     from vllm.config import get_current_vllm_config
 
     raw = json.loads((snapshot / "config.json").read_text())
