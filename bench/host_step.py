@@ -239,12 +239,13 @@ def workload(vocab: int, eos: int, decode_steps: int, seed: int):
 
 
 def inner(args: argparse.Namespace) -> int:
-    # the equivalence harness reads its device from argv[1] when imported
+    # harness.ple_layer reads its device from argv[1] when imported
     sys.argv[1:] = ["cpu"]
     import torch
     from transformers import Qwen4ExpTextConfig
 
-    import harness.ple_equivalence as eq
+    import harness.ple_layer as ple
+    from harness.ple_steps import Runner
 
     # The modelled device's uploads are CPU copies here: one torch thread keeps each from
     # waking a thread pool on the shared cores (on a GPU they are asynchronous H2D copies).
@@ -252,17 +253,17 @@ def inner(args: argparse.Namespace) -> int:
 
     raw = json.loads(Path(args.config).read_text())
     config = Qwen4ExpTextConfig(**raw["text_config"])
-    eq.MAX_TOKENS = MAX_TOKENS
+    ple.MAX_TOKENS = MAX_TOKENS
     os.environ["SPARKPLE_PLE_TABLE_DIR"] = args.table
-    eq.seed_loader_filter(Path(args.rendered))
+    ple.seed_loader_filter(Path(args.rendered))
     result: dict[str, Any] = {"runs": {}, "decode_ms": args.decode_ms, "chunk_ms": args.chunk_ms}
     with (
         tempfile.TemporaryDirectory() as work,
-        eq.vllm_context(Path(work), max_tokens=MAX_TOKENS, max_model_len=MAX_MODEL_LEN),
+        ple.vllm_context(Path(work), max_tokens=MAX_TOKENS, max_model_len=MAX_MODEL_LEN),
     ):
-        importlib.import_module(eq.NGRAM_MODULE)  # vLLM's own, as the server imports it first
-        patched, state_module = eq.patched_modules(Path(args.rendered))
-        prefix = f"model.language_model.layers.{eq.PLE_DECODER_LAYER}.ple.ple_embedding"
+        importlib.import_module(ple.NGRAM_MODULE)  # vLLM's own, as the server imports it first
+        patched, state_module = ple.patched_modules(Path(args.rendered))
+        prefix = f"model.language_model.layers.{ple.PLE_DECODER_LAYER}.ple.ple_embedding"
         with torch.device("cpu"):
             layer = patched.Qwen4ExpNGramEmbedding(
                 config,
@@ -295,8 +296,8 @@ def inner(args: argparse.Namespace) -> int:
                 if left > 0:
                     raise RuntimeError(f"{left:.1%} of the table stayed resident")
                 embedding._worker.prefetcher.forget()  # what it advised was evicted
-            state = eq.model_state(state_module, model, config)
-            runner = eq.Runner(state, MAX_MODEL_LEN)
+            state = ple.model_state(state_module, model, config)
+            runner = Runner(state, MAX_MODEL_LEN)
             host = patched_host_step(state)
             host.wait_before_forward = design == "wait_before_forward"
             host.decode_rows_inline = design != "split_thread"

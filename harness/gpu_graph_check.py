@@ -51,12 +51,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harness.ple_equivalence import (
+from harness.ple_layer import (
     DEVICE,
     MAX_REQS,
     NGRAM_MODULE,
     PLE_DECODER_LAYER,
-    Runner,
     build,
     forward,
     model_state,
@@ -65,6 +64,7 @@ from harness.ple_equivalence import (
     stock_rows,
     vllm_context,
 )
+from harness.ple_steps import Runner
 
 CUDA = DEVICE.type == "cuda"
 MAX_TOKENS = 2048

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harness.ple_equivalence import (
+from harness.ple_layer import (
     LOADER_FILTER,
     MAX_TOKENS,
     NGRAM_MODULE,
