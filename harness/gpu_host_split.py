@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 SMOKE = sys.argv[1] in ("cpu", "--cpu-smoke")
 if SMOKE:
@@ -85,7 +86,7 @@ class DeviceWait:
         if self.cycles_per_ms:
             torch.cuda._sleep(int(ms * self.cycles_per_ms))
 
-    def step(self, run, busy_ms: float) -> tuple[object, bool]:
+    def step(self, run, busy_ms: float) -> tuple[Any, bool]:
         """run() on a busy device; (its result, whether it waited for the device)."""
         calls = self.calls
         self.busy(busy_ms)

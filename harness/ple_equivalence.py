@@ -87,9 +87,9 @@ def compare(stock_module, patched, state_module, snapshot: Path, table_dir: Path
         starts = np.concatenate([[0], np.cumsum(lengths)])
         context = rng.integers(0, vocab, size=(len(lengths), 2))
         context[rng.random(context.shape) < 0.3] = eos
-        theirs = stock_layer.compute_ngram_ids(*as_tensors(tokens, starts, context)).cpu().numpy()
-        ours = row_ids(tokens, starts, context, geometry)
-        mismatched += int(not np.array_equal(theirs, ours))
+        their_ids = stock_layer.compute_ngram_ids(*as_tensors(tokens, starts, context))
+        our_ids = row_ids(tokens, starts, context, geometry)
+        mismatched += int(not np.array_equal(their_ids.cpu().numpy(), our_ids))
     result["ngram_trials"] = 50
     result["ngram_mismatched"] = mismatched
 
@@ -143,7 +143,7 @@ def compare(stock_module, patched, state_module, snapshot: Path, table_dir: Path
     # every step through vLLM's model state: its prepare_inputs runs the host step
     state = model_state(state_module, torch.nn.ModuleList(patched_layers.values()), config)
     runner = Runner(state)
-    steps = {k: [] for k in dtypes}
+    steps: dict[str, list] = {k: [] for k in dtypes}
     result["compiled_steps"] = {}
     result["synced_steps"] = []
     for name, scheduled, padding in schedule(runner, vocab, eos):

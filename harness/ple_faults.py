@@ -8,8 +8,9 @@ import importlib
 import json
 import os
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import torch
@@ -49,7 +50,7 @@ def failures(patched, state_module, snapshot: Path, table_dir: Path) -> dict:
         "timeout": (_FailingPrefetch(OSError(5, "late"), delay_s=2.0), 0.2),
         "dead_thread": (_FailingPrefetch(SystemExit()), 60.0),
     }
-    seen = {}
+    seen: dict[str, dict | None] = {}
     os.environ["SPARKPLE_PLE_TABLE_DIR"] = str(table_dir)
     # these layers' counters stay out of the stats file the real steps' layer wrote
     stats_dir = os.environ.pop("SPARKPLE_STATS_DIR", None)
@@ -100,7 +101,7 @@ def host_checks(stock_module, patched, state_module, snapshot: Path, table_dir: 
     eos, vocab = int(config.eos_token_id), int(config.vocab_size)
     os.environ.pop("SPARKPLE_PLE_TABLE_DIR", None)
     stock, _ = build(stock_module, config, snapshot, prefix, torch.float32)
-    backend = importlib.import_module(BACKEND_MODULE)
+    backend: Any = importlib.import_module(BACKEND_MODULE)  # its HOST_PROBES is set below
     probes = backend.HOST_PROBES
 
     def run(steps, requests, probes_on: bool = True) -> dict:
@@ -181,7 +182,7 @@ def refusals(patched, snapshot: Path, table_dir: Path) -> dict:
     from vllm.config import EngramConfig
 
     across_dp = EngramConfig(cpu_offload=False, embedding_across_dp=True)
-    cases = {
+    cases: dict[str, AbstractContextManager] = {
         "pipeline": setting(pipeline_parallel_size=2),
         "prefill_context_parallel": setting(prefill_context_parallel_size=2),
         "v1_runner": mock.patch.dict(os.environ, {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
@@ -189,7 +190,7 @@ def refusals(patched, snapshot: Path, table_dir: Path) -> dict:
         "sequence_parallel": setting(tensor_parallel_size=2, enable_hc_sp=True),
         "embedding_across_dp": setting(current, engram_config=across_dp),
     }
-    messages = {}
+    messages: dict[str, str | None] = {}
     os.environ["SPARKPLE_PLE_TABLE_DIR"] = str(table_dir)
     try:
         for case, context in cases.items():

@@ -240,6 +240,7 @@ def seed_loader_filter(rendered: Path) -> None:
         raise RuntimeError(f"{LOADER_FILTER} was imported before the patch was laid over it")
     path = rendered / "model_executor" / "model_loader" / "ep_weight_filter.py"
     spec = importlib.util.spec_from_file_location(LOADER_FILTER, path)
+    assert spec is not None and spec.loader is not None  # a .py file's spec has a loader
     module = importlib.util.module_from_spec(spec)
     sys.modules[LOADER_FILTER] = module
     spec.loader.exec_module(module)

@@ -98,7 +98,9 @@ class Runner:
         from vllm.v1.worker.gpu.input_batch import InputBatch
 
         reqs = self.requests
-        indices, lengths, chunks = [], [], []
+        indices: list[int] = []
+        lengths: list[int] = []
+        chunks: list[torch.Tensor] = []
         for req_id, computed, count in scheduled:
             index = reqs.req_id_to_index.get(req_id, len(indices))
             indices.append(index)
