@@ -18,7 +18,7 @@ image_inputs() {
 export DOCKER_BUILDKIT=0
 
 # A cache entry, built once per machine: cache_entry DIR BUILD RECORD..., where BUILD DIR fills
-# the empty directory DIR. It runs under DIR.lock (the lock tests/wheel_cache.py takes for its
+# the empty directory DIR. It runs under DIR.lock (the lock harness/wheel_cache.py takes for its
 # entries) unless DIR/.complete is there; a half-built DIR (no .complete, say after a kill) is
 # removed and built again, and .complete, holding the RECORD lines (what DIR was built from),
 # is written only once BUILD has succeeded (call it as a plain command: bash ignores errexit

@@ -110,6 +110,7 @@ def run_child(cmd: list[str]) -> dict:
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
+    assert proc.stdout is not None and proc.stderr is not None  # both piped above
     out, err = proc.stdout.read(), proc.stderr.read()
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:

@@ -6,7 +6,7 @@
 Drives the real host step: the rendered patch's packed-table backend under vLLM 0.33.0's own
 Qwen4ExpModelState.prepare_inputs (and add_request/remove_request), with steps built from
 vLLM's RequestState and InputBatch as the equivalence tests build them (it runs in the vLLM
-test venv of the machine's cache, tests/wheel_cache.py). The workload is a Spark's: four
+test venv of the machine's cache, harness/wheel_cache.py). The workload is a Spark's: four
 requests, one a 16,384-token prompt in 2,048-token chunks, three decoding with MTP 3 (4 tokens
 a step), then all four decoding. The GPU is modelled as busy for a set time per step (--decode-ms,
 --chunk-ms; defaults from the Spark's published rates), asynchronous scheduling as vLLM runs
@@ -58,12 +58,10 @@ OLD_SPIN_S = 0.00005  # what the previous rendered module passed to the handshak
 
 
 def driver(args: argparse.Namespace) -> int:
+    from harness import wheel_cache
     from sparkple import patch
 
     # the vLLM test venv and the wheel's sources from the machine's cache (built when missing)
-    sys.path.insert(0, str(ROOT / "tests"))
-    import wheel_cache
-
     venv_python, originals = wheel_cache.vllm_venv(), wheel_cache.vllm_originals()
     args.work.mkdir(parents=True, exist_ok=True)
     from synthtable import ensure_table
@@ -93,7 +91,7 @@ def driver(args: argparse.Namespace) -> int:
             "--warm-rounds",
             str(args.warm_rounds),
         ]
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'vllm'}"}
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
         env.pop("SPARKPLE_STATS_DIR", None)
         proc = subprocess.run(cmd, env=env, cwd=tmp)
         if proc.returncode:
@@ -241,11 +239,13 @@ def workload(vocab: int, eos: int, decode_steps: int, seed: int):
 
 
 def inner(args: argparse.Namespace) -> int:
-    # the equivalence harness reads its device from argv[1] when imported
+    # harness.ple_layer reads its device from argv[1] when imported
     sys.argv[1:] = ["cpu"]
-    import ple_equivalence as eq
     import torch
     from transformers import Qwen4ExpTextConfig
+
+    import harness.ple_layer as ple
+    from harness.ple_steps import Runner
 
     # The modelled device's uploads are CPU copies here: one torch thread keeps each from
     # waking a thread pool on the shared cores (on a GPU they are asynchronous H2D copies).
@@ -253,17 +253,17 @@ def inner(args: argparse.Namespace) -> int:
 
     raw = json.loads(Path(args.config).read_text())
     config = Qwen4ExpTextConfig(**raw["text_config"])
-    eq.MAX_TOKENS = MAX_TOKENS
+    ple.MAX_TOKENS = MAX_TOKENS
     os.environ["SPARKPLE_PLE_TABLE_DIR"] = args.table
-    eq.seed_loader_filter(Path(args.rendered))
+    ple.seed_loader_filter(Path(args.rendered))
     result: dict[str, Any] = {"runs": {}, "decode_ms": args.decode_ms, "chunk_ms": args.chunk_ms}
     with (
         tempfile.TemporaryDirectory() as work,
-        eq.vllm_context(Path(work), max_tokens=MAX_TOKENS, max_model_len=MAX_MODEL_LEN),
+        ple.vllm_context(Path(work), max_tokens=MAX_TOKENS, max_model_len=MAX_MODEL_LEN),
     ):
-        importlib.import_module(eq.NGRAM_MODULE)  # vLLM's own, as the server imports it first
-        patched, state_module = eq.patched_modules(Path(args.rendered))
-        prefix = f"model.language_model.layers.{eq.PLE_DECODER_LAYER}.ple.ple_embedding"
+        importlib.import_module(ple.NGRAM_MODULE)  # vLLM's own, as the server imports it first
+        patched, state_module = ple.patched_modules(Path(args.rendered))
+        prefix = f"model.language_model.layers.{ple.PLE_DECODER_LAYER}.ple.ple_embedding"
         with torch.device("cpu"):
             layer = patched.Qwen4ExpNGramEmbedding(
                 config,
@@ -296,8 +296,8 @@ def inner(args: argparse.Namespace) -> int:
                 if left > 0:
                     raise RuntimeError(f"{left:.1%} of the table stayed resident")
                 embedding._worker.prefetcher.forget()  # what it advised was evicted
-            state = eq.model_state(state_module, model, config)
-            runner = eq.Runner(state, MAX_MODEL_LEN)
+            state = ple.model_state(state_module, model, config)
+            runner = Runner(state, MAX_MODEL_LEN)
             host = patched_host_step(state)
             host.wait_before_forward = design == "wait_before_forward"
             host.decode_rows_inline = design != "split_thread"

@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,7 @@ def major_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
 
 
-def median(values: list[float]) -> float:
+def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
@@ -528,6 +529,8 @@ def bench_handshake(n: int, rng) -> dict[str, Any]:
         pipe = _handshake_run("pipe", step, work)
         shm_long = _handshake_run("shm", long, work)
         pipe_long = _handshake_run("pipe", long, work)
+        shm_rt: np.ndarray | None
+        pipe_rt: np.ndarray | None
         try:
             shm_rt = _handshake_run("shm", step, work, rt=True)
             pipe_rt = _handshake_run("pipe", step, work, rt=True)

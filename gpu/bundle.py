@@ -40,8 +40,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-from wheel_cache import (  # noqa: E402
+sys.path.insert(0, str(REPO))
+from harness.wheel_cache import (  # noqa: E402
     VLLM_VERSION,
     WHEEL_DIR,
     extract_once,
@@ -276,7 +276,7 @@ def build(python: str, out: Path, target: Target) -> Path:
         # sources, as the bundle runs (PY's own vLLM may need a driver): the CPU platform's
         # imports and the CUDA path's (import_smoke.py's cuda-path)
         dists_path = Path(tmp) / "dists.json"
-        path = f"{REPO}:{bundle / 'vllm-src'}:{REPO / 'tests' / 'vllm'}"
+        path = f"{REPO}:{bundle / 'vllm-src'}"
         env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": path}
         smoke = [python, str(REPO / "gpu" / "import_smoke.py"), "cpu", str(rendered)]
         run([*smoke, str(dists_path)], env=env, cwd=tmp)

@@ -21,8 +21,8 @@ cd "$root"
 # exit 0 when its checks pass; one more check is one more line. Each step (the torch tier, each
 # check, the gpu-marked tests) is stopped after GPU_CHECK_TIMEOUT_S (default 200 s).
 checks=(
-    "graph tests/vllm/gpu_graph_check.py"
-    "host_split tests/vllm/gpu_host_split.py"
+    "graph harness/gpu_graph_check.py"
+    "host_split harness/gpu_host_split.py"
 )
 limit=${GPU_CHECK_TIMEOUT_S:-200}
 # On a GPU the whole run ends within GPU_CHECK_BUDGET_S (default 450 s: under 8 minutes with
@@ -100,7 +100,7 @@ else
     PYTHONPATH=$root "$python" -m sparkple.cli patch render --profile vllm-0.33 \
         --originals "$sources/vllm" --out "$rendered" >/dev/null
 fi
-export PYTHONPATH="$root:$root/tests/vllm${vllm_path:+:$vllm_path}"
+export PYTHONPATH="$root${vllm_path:+:$vllm_path}"
 if [[ $device == cpu ]]; then
     # vLLM's CPU platform on any machine, and the V2 runner that serves this model on CUDA
     # (vLLM picks it where triton imports; a CPU torch may come without triton)

@@ -31,6 +31,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 PATCHED_PACKAGES = ("vllm.models.qwen4_exp.nvidia", "vllm.models.qwen4_exp.common")
 CUDA_PLATFORM = "vllm.platforms.cuda"
@@ -48,13 +49,14 @@ RENDERED = MODULES[:3]
 # What vLLM's CUDA detection returns on a machine with a GPU (vllm/platforms/__init__.py,
 # cuda_platform_plugin), and what the CUDA checks import beside MODULES.
 CUDA_PLATFORM_CLASS = "vllm.platforms.cuda.CudaPlatform"
-CUDA_CHECK_MODULES = ("sparkple.runtime.nvfp4_triton", "ple_equivalence")
+CUDA_CHECK_MODULES = ("sparkple.runtime.nvfp4_triton", "harness.ple_equivalence")
 
 
 def lay_over(rendered: Path) -> None:
     """The rendered files first on the packages' paths, the loader filter from its file."""
     path = rendered / "model_executor" / "model_loader" / "ep_weight_filter.py"
     spec = importlib.util.spec_from_file_location(LOADER_FILTER, path)
+    assert spec is not None and spec.loader is not None  # a .py file's spec has a loader
     module = importlib.util.module_from_spec(spec)
     sys.modules[LOADER_FILTER] = module
     spec.loader.exec_module(module)
@@ -127,14 +129,14 @@ REFERENCE_GPU = {"get_device_capability": (9, 0), "get_device_name": "NVIDIA H20
                  "device_count": 1}  # fmt: skip
 
 
-def reference_platform(cls: type) -> type:
+def reference_platform(cls: type) -> Any:
     """vLLM's CUDA platform class answering REFERENCE_GPU's questions, each one it is asked
     noted in `asked` (the rest of the class is vLLM's own)."""
     from vllm.platforms.interface import DeviceCapability
 
     asked: list[str] = []
 
-    def answer(name: str, value: object):
+    def answer(name: str, value: Any):
         def method(_cls: type, *args: object, **kwargs: object) -> object:
             asked.append(name)
             return DeviceCapability(*value) if name == "get_device_capability" else value
@@ -231,7 +233,7 @@ def main() -> int:
     lay_over(rendered)
     for name in MODULES:
         module = importlib.import_module(name)
-        if name in RENDERED and not Path(module.__file__).resolve().is_relative_to(rendered):
+        if name in RENDERED and not Path(str(module.__file__)).resolve().is_relative_to(rendered):
             print(f"import smoke: {name} is not the rendered file", file=sys.stderr)
             return 1
     from transformers import Qwen4ExpTextConfig  # noqa: F401

@@ -16,7 +16,8 @@ from pathlib import Path
 
 def main() -> int:
     out, preamble = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
-    checks, lines = {}, []
+    checks: dict[str, dict] = {}
+    lines: list[str] = []
     machine = preamble.get("torch_device") or preamble.get("gpu") or "CPU (smoke mode)"
     lines.append(
         f"{machine}, driver {preamble.get('driver', '-')}, Python {preamble['python']}, "

@@ -100,7 +100,8 @@ def check_row_ids(device: torch.device) -> dict[str, bool]:
     ids[rng.integers(0, ids.size, size=200)] = geometry.eos_token_id
     qsl = np.array([0, 5, 2048, 30_000, 32_768])
     ctx = rng.integers(0, geometry.vocab_size, size=(4, 2))
-    got = row_ids_torch(*(torch.from_numpy(a).to(device) for a in (ids, qsl, ctx)), geometry)
+    ids_t, qsl_t, ctx_t = (torch.from_numpy(a).to(device) for a in (ids, qsl, ctx))
+    got = row_ids_torch(ids_t, qsl_t, ctx_t, geometry)
     want = row_ids(ids, qsl, ctx, geometry)
     return {"row ids": got.device.type == device.type and np.array_equal(got.cpu().numpy(), want)}
 

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from wheel_cache import vllm_wheel
+
+from harness.wheel_cache import vllm_wheel
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"

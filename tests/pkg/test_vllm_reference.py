@@ -13,8 +13,8 @@ import zipfile
 
 import numpy as np
 import pytest
-from wheel_cache import vllm_wheel
 
+from harness.wheel_cache import vllm_wheel
 from sparkple.builder.synth import make_config
 from sparkple.geometry import PLEGeometry
 from sparkple.runtime.ngram import row_ids

@@ -1,4 +1,4 @@
-"""The real vLLM 0.33.0 sources, from the PyPI wheel, cached per machine (tests/wheel_cache.py).
+"""The real vLLM 0.33.0 sources, from the PyPI wheel, cached per machine (harness/wheel_cache.py).
 
 `vllm_originals` extracts the files the patch profile touches from the wheel (downloaded once,
 `pip download --no-deps`). `vllm_venv` is the test virtualenv with the torch and torchvision the
@@ -15,7 +15,8 @@ import os
 from pathlib import Path
 
 import pytest
-import wheel_cache
+
+from harness import wheel_cache
 
 
 @pytest.fixture(scope="session")

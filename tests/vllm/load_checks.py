@@ -30,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from ple_equivalence import (
+
+from harness.ple_layer import (
     LOADER_FILTER,
     MAX_TOKENS,
     NGRAM_MODULE,
@@ -39,7 +40,6 @@ from ple_equivalence import (
     seed_loader_filter,
     vllm_context,
 )
-
 from sparkple.runtime.pagecache import PAGE_SIZE, evict, resident_pages
 
 ROW_SHARD = ".ple.ple_embedding.ngram_embedding.shard_"

@@ -27,9 +27,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import ple_equivalence as eq
 import torch
 
+import harness.ple_layer as ple
+from harness.ple_steps import Runner, schedule
 from sparkple.runtime.pagecache import PAGE_SIZE, resident_pages
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -61,7 +62,7 @@ def run_case(patched, state_module, snapshot: Path, table_dir: Path, release: li
 
     raw = json.loads((snapshot / "config.json").read_text())
     config = Qwen4ExpTextConfig(**raw["text_config"])
-    prefix = f"model.language_model.layers.{eq.PLE_DECODER_LAYER}.ple.ple_embedding."
+    prefix = f"model.language_model.layers.{ple.PLE_DECODER_LAYER}.ple.ple_embedding."
     # set while the case runs: the patched model state runs the host step only then
     env = {"SPARKPLE_PLE_TABLE_DIR": str(table_dir)}
     if release:
@@ -78,7 +79,7 @@ def steps_of_case(patched, state_module, config, snapshot: Path, prefix: str) ->
     vocab, eos = int(config.vocab_size), int(config.eos_token_id)
     result: dict = {}
     try:
-        layers = {k: eq.build(patched, config, snapshot, prefix, d)[0] for k, d in DTYPES.items()}
+        layers = {k: ple.build(patched, config, snapshot, prefix, d)[0] for k, d in DTYPES.items()}
     except Exception as exc:  # a refused start: what vLLM's worker would die of
         return {"load_error": f"{type(exc).__name__}: {exc}"}
     embedding = layers["float32"].ngram_embedding
@@ -90,16 +91,16 @@ def steps_of_case(patched, state_module, config, snapshot: Path, prefix: str) ->
     result["data_file"] = embedding.table.meta.data_file
     result["resident_before"] = embedding.table.evict()  # cold: nothing read yet
 
-    state = eq.model_state(state_module, torch.nn.ModuleList(layers.values()), config)
-    runner = eq.Runner(state)
+    state = ple.model_state(state_module, torch.nn.ModuleList(layers.values()), config)
+    runner = Runner(state)
     steps: dict[str, list] = {k: [] for k in DTYPES}
     padding_zero, nonzero = [], []
     names = []
-    for name, scheduled, padding in eq.schedule(runner, vocab, eos):
+    for name, scheduled, padding in schedule(runner, vocab, eos):
         input_ids, qsl, ctx, real = runner.step(scheduled, **padding)
         names.append(name)
         for key in DTYPES:
-            out = eq.forward(layers[key], input_ids, qsl, ctx)
+            out = ple.forward(layers[key], input_ids, qsl, ctx)
             steps[key].append(digest(out[:real]))
             nonzero.append(bool(out[:real].abs().sum() > 0))
             padding_zero.append(bool((out[real:] == 0).all()))
@@ -107,26 +108,26 @@ def steps_of_case(patched, state_module, config, snapshot: Path, prefix: str) ->
             # the in-forward path, all-reduce included, as one graph: vLLM's all-reduce is a
             # custom op that dynamo keeps whole (a graph break or host sync would raise)
             torch._dynamo.reset()
-            compiled = torch.compile(eq.in_forward, fullgraph=True, backend="eager")
+            compiled = torch.compile(ple.in_forward, fullgraph=True, backend="eager")
             for key in DTYPES:
                 emb = layers[key].ngram_embedding
                 tokens = input_ids.shape[0]
-                same = torch.equal(compiled(emb, tokens), eq.in_forward(emb, tokens))
+                same = torch.equal(compiled(emb, tokens), ple.in_forward(emb, tokens))
                 result.setdefault("compiled_equal", []).append(bool(same))
     result["step_names"] = names
     result["steps"] = steps
     result["padding_rows_zero"] = all(padding_zero)
     result["every_step_nonzero"] = all(nonzero)
     result["pages"] = table_pages(embedding)
-    result["rows_gathered"] = eq.counters(embedding)[0]
+    result["rows_gathered"] = ple.counters(embedding)[0]
 
     # dummy, profile and capture runs: every rank sums zeros, no row is read
-    before = eq.counters(embedding)
+    before = ple.counters(embedding)
     dummy = state.prepare_dummy_inputs(4, 64)
-    zeros = torch.zeros(64, dtype=torch.int32, device=eq.DEVICE)
-    out = eq.forward(layers["float32"], zeros, dummy["query_start_loc"], dummy["ngram_context"])
+    zeros = torch.zeros(64, dtype=torch.int32, device=ple.DEVICE)
+    out = ple.forward(layers["float32"], zeros, dummy["query_start_loc"], dummy["ngram_context"])
     result["dummy_output_zero"] = bool((out == 0).all())
-    result["dummy_counters_unchanged"] = eq.counters(embedding) == before
+    result["dummy_counters_unchanged"] = ple.counters(embedding) == before
     for layer in layers.values():
         layer.ngram_embedding.close()
     return result
@@ -136,11 +137,11 @@ def main() -> None:
     rendered, result_path = Path(sys.argv[2]), Path(sys.argv[3])
     tp_rank, tp_size, init_file = int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6])
     cases = [arg.split("=") for arg in sys.argv[7:]]
-    eq.seed_loader_filter(rendered)
+    ple.seed_loader_filter(rendered)
     results = {}
     with (
         tempfile.TemporaryDirectory() as work,
-        eq.vllm_context(Path(work), tp_rank=tp_rank, tp_size=tp_size, init_file=init_file),
+        ple.vllm_context(Path(work), tp_rank=tp_rank, tp_size=tp_size, init_file=init_file),
     ):
         from vllm.distributed import get_etp_group, get_tp_group
 
@@ -148,7 +149,7 @@ def main() -> None:
         results["etp_is_tp"] = get_etp_group() is tp
         # CUDA's platform sends collectives through vLLM's custom ops; so does this run
         tp.use_custom_op_call = True
-        patched, state_module = eq.patched_modules(rendered)
+        patched, state_module = ple.patched_modules(rendered)
         for name, snapshot, table_dir, *release in cases:
             results[name] = run_case(
                 patched, state_module, Path(snapshot), Path(table_dir), release

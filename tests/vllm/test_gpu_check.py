@@ -14,16 +14,16 @@ import time
 from pathlib import Path
 
 import pytest
-import wheel_cache
 from packaging.utils import canonicalize_name
 from skip_guard import skip_without_cuda
 
+from harness import wheel_cache
 from sparkple import patch
 from sparkple.builder.build import build_table
 from sparkple.builder.synth import synth_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = Path(__file__).resolve().parent / "gpu_graph_check.py"
+SCRIPT = REPO / "harness" / "gpu_graph_check.py"
 MIB = 1024**2
 # what a machine without network sees: no index, no hub, every proxied connection refused
 OFFLINE = {
@@ -43,7 +43,7 @@ def run_graph_check(vllm_venv: Path, vllm_originals: Path, work: Path, device: s
     rendered = work / "rendered"
     patch.render("vllm-0.33", vllm_originals, rendered)
     out = work / "graph.json"
-    env = {**os.environ, "PYTHONPATH": wheel_cache.pythonpath(REPO, SCRIPT.parent)}
+    env = {**os.environ, "PYTHONPATH": wheel_cache.pythonpath(REPO)}
     env.pop("SPARKPLE_PLE_TABLE_DIR", None)
     args = [str(vllm_venv), str(SCRIPT), device, str(rendered), str(out), f"{snapshot}={table}"]
     proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=work)
@@ -317,6 +317,9 @@ def test_bundle_runs_on_the_simulated_offline_gpu_machine(
     with tarfile.open(archive) as tar:
         tar.extractall(tmp_path / "unpacked", filter="data")
     root = tmp_path / "unpacked" / "sparkple-gpu-check"
+    # the check scripts gpu-check.sh runs, and the harness they import, are carried
+    for script in ("__init__.py", "gpu_graph_check.py", "gpu_host_split.py", "ple_equivalence.py"):
+        assert (root / "harness" / script).is_file(), script
     carried = json.loads((root / "bundle" / "carried.json").read_text())
     assert carried["target"] == {"name": "h200-offline", "arch": "x86_64", "python": "3.12",
                                  "glibc": "2.35"}  # fmt: skip

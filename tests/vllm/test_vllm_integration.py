@@ -8,16 +8,16 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import wheel_cache
 from skip_guard import skip_without_cuda
 
+from harness import wheel_cache
 from sparkple import patch
 from sparkple.builder.build import build_table
 from sparkple.builder.synth import synth_checkpoint
 from sparkple.runtime.stats import parse
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = Path(__file__).resolve().parent / "ple_equivalence.py"
+SCRIPT = REPO / "harness" / "ple_equivalence.py"
 LOOKAHEAD_MIB = 2
 
 
@@ -335,7 +335,7 @@ def test_fused_decode_is_bit_identical_to_the_torch_decode(vllm_venv: Path) -> N
     CPU, against the torch decode: NVFP4 rows with subnormal, zero and the largest E4M3 block
     scales and FP8 rows, float32 and bfloat16, bit for bit."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"}
-    script = SCRIPT.with_name("fused_decode_check.py")
+    script = Path(__file__).resolve().parent / "fused_decode_check.py"
     proc = subprocess.run([str(vllm_venv), str(script)], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -358,8 +358,8 @@ def test_gpu_host_split_check_builds_on_cpu(
     rendered = tmp_path / "rendered"
     patch.render("vllm-0.33", vllm_originals, rendered)
     out = tmp_path / "split.json"
-    script = SCRIPT.with_name("gpu_host_split.py")
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{SCRIPT.parent}"}
+    script = REPO / "harness" / "gpu_host_split.py"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("SPARKPLE_PLE_TABLE_DIR", None)
     args = [str(vllm_venv), str(script), "--cpu-smoke", str(rendered), str(out)]
     proc = subprocess.run(

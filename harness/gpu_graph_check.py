@@ -50,12 +50,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from ple_equivalence import (
+
+from harness.ple_layer import (
     DEVICE,
     MAX_REQS,
     NGRAM_MODULE,
     PLE_DECODER_LAYER,
-    Runner,
     build,
     forward,
     model_state,
@@ -64,6 +64,7 @@ from ple_equivalence import (
     stock_rows,
     vllm_context,
 )
+from harness.ple_steps import Runner
 
 CUDA = DEVICE.type == "cuda"
 MAX_TOKENS = 2048

@@ -7,7 +7,7 @@ end: a change builds a new entry, a clean clone reuses the one that is there, an
 ever sees a half-built one (it waits on the lock). Shared by the tests that read vLLM's own
 code (tests/pkg cross-checks, tests/vllm patches and integration), gpu/bundle.py and bench/.
 
-`python3 tests/wheel_cache.py vllm-venv` builds the venv (.ci/setup-venv runs it in the
+`python3 harness/wheel_cache.py vllm-venv` builds the venv (.ci/setup-venv runs it in the
 background while the other phases start) and prints its Python; `machine-venv TARGET_TOML`
 builds the simulated offline GPU machine of a gpu/targets/ file the same way.
 """
@@ -26,9 +26,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
 VLLM_VERSION = "0.33.0"
-VENV_REQUIREMENTS = REPO / "tests" / "vllm" / "venv-requirements.txt"
+VENV_REQUIREMENTS = Path(__file__).resolve().with_name("venv-requirements.txt")
 # The wheel's own pins that the venv follows (vision models and ModelConfig's inspection import
 # torchvision, which only loads beside the torch it was built for).
 PINNED = ("torch", "torchvision")

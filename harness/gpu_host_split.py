@@ -29,13 +29,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 SMOKE = sys.argv[1] in ("cpu", "--cpu-smoke")
 if SMOKE:
-    sys.argv[1] = "cpu"  # ple_equivalence reads its device from argv[1]
+    sys.argv[1] = "cpu"  # harness.ple_layer reads its device from argv[1]
 
-import ple_equivalence as eq  # noqa: E402
 import torch  # noqa: E402
+
+import harness.ple_layer as ple  # noqa: E402
+from harness.ple_steps import Runner, request_tokens  # noqa: E402
 
 REPEATS = 1 if SMOKE else 20
 
@@ -50,11 +53,11 @@ SHAPES = [
 ]
 
 
-def add_requests(runner: eq.Runner, vocab: int, eos: int) -> None:
+def add_requests(runner: Runner, vocab: int, eos: int) -> None:
     """Three requests decoding after a 32-token prompt, and a 900-token prompt."""
     for r in range(3):
-        runner.add(f"d{r}", eq.request_tokens(vocab, eos, seed=r, length=900), 32)
-    runner.add("p", eq.request_tokens(vocab, eos, seed=9, length=900), 900)
+        runner.add(f"d{r}", request_tokens(vocab, eos, seed=r, length=900), 32)
+    runner.add("p", request_tokens(vocab, eos, seed=9, length=900), 900)
 
 
 # How long the device stays busy before a timed step (a forward's worth), and before the step
@@ -71,9 +74,9 @@ class DeviceWait:
     """
 
     def __init__(self, host) -> None:
-        self.cycles_per_ms = calibrate() if eq.DEVICE.type == "cuda" else 0.0
+        self.cycles_per_ms = calibrate() if ple.DEVICE.type == "cuda" else 0.0
         self.calls = 0
-        if eq.DEVICE.type != "cuda":
+        if ple.DEVICE.type != "cuda":
             host.wait_for_device = self._count
 
     def _count(self) -> None:
@@ -83,7 +86,7 @@ class DeviceWait:
         if self.cycles_per_ms:
             torch.cuda._sleep(int(ms * self.cycles_per_ms))
 
-    def step(self, run, busy_ms: float) -> tuple[object, bool]:
+    def step(self, run, busy_ms: float) -> tuple[Any, bool]:
         """run() on a busy device; (its result, whether it waited for the device)."""
         calls = self.calls
         self.busy(busy_ms)
@@ -113,22 +116,22 @@ def main() -> int:
     raw = json.loads((snapshot / "config.json").read_text())
     config = Qwen4ExpTextConfig(**raw["text_config"])
     vocab, eos = int(config.vocab_size), int(config.eos_token_id)
-    prefix = f"model.language_model.layers.{eq.PLE_DECODER_LAYER}.ple.ple_embedding."
+    prefix = f"model.language_model.layers.{ple.PLE_DECODER_LAYER}.ple.ple_embedding."
     dtype = torch.bfloat16
-    eq.seed_loader_filter(rendered)
-    result: dict = {"device": eq.DEVICE.type, "steps": {}}
-    with tempfile.TemporaryDirectory() as work, eq.vllm_context(Path(work)):
-        stock_module = importlib.import_module(eq.NGRAM_MODULE)
-        patched, state_module = eq.patched_modules(rendered)
+    ple.seed_loader_filter(rendered)
+    result: dict = {"device": ple.DEVICE.type, "steps": {}}
+    with tempfile.TemporaryDirectory() as work, ple.vllm_context(Path(work)):
+        stock_module = importlib.import_module(ple.NGRAM_MODULE)
+        patched, state_module = ple.patched_modules(rendered)
         import os
 
         os.environ.pop("SPARKPLE_PLE_TABLE_DIR", None)  # stock vLLM's own backend
-        stock, _ = eq.build(stock_module, config, snapshot, prefix, dtype)
+        stock, _ = ple.build(stock_module, config, snapshot, prefix, dtype)
         result["stock_backend"] = type(stock.ngram_embedding).__name__
         os.environ["SPARKPLE_PLE_TABLE_DIR"] = str(table_dir)
-        layer, _ = eq.build(patched, config, snapshot, prefix, dtype)
+        layer, _ = ple.build(patched, config, snapshot, prefix, dtype)
         model = torch.nn.ModuleList([layer])
-        state = eq.model_state(state_module, model, config)
+        state = ple.model_state(state_module, model, config)
         host = importlib.import_module(
             "vllm.models.qwen4_exp.common.ple_mmap_embedding"
         ).host_step_of(model)
@@ -136,7 +139,7 @@ def main() -> int:
         for name, scheduled, drafts in SHAPES:
             times, waited, right = [], [], []
             for repeat in range(REPEATS + 1):
-                runner = eq.Runner(state)
+                runner = Runner(state)
                 add_requests(runner, vocab, eos)
                 observe = repeat == 0  # the first on a long-busy device, then the timed ones
                 (input_ids, qsl, ctx, real), synced = device.step(
@@ -145,8 +148,8 @@ def main() -> int:
                 )
                 if observe:
                     waited.append(synced)
-                    ours = eq.forward(layer, input_ids, qsl, ctx)[:real]
-                    theirs = eq.stock_rows(stock, input_ids, qsl, ctx, dtype)[:real]
+                    ours = ple.forward(layer, input_ids, qsl, ctx)[:real]
+                    theirs = ple.stock_rows(stock, input_ids, qsl, ctx, dtype)[:real]
                     right.append(bool(torch.equal(ours, theirs) and ours.abs().sum() > 0))
                 else:
                     times.append(host.last_times)
@@ -158,7 +161,7 @@ def main() -> int:
                 "after_sync_us": statistics.median(t[2] for t in times) * 1e6,
                 "waited_for_the_device": waited[0],
                 "rows_equal_stock": right[0],
-                "device_busy_ms": BUSY_MS if eq.DEVICE.type == "cuda" else 0.0,
+                "device_busy_ms": BUSY_MS if ple.DEVICE.type == "cuda" else 0.0,
             }
         emb = layer.ngram_embedding
         if not SMOKE:

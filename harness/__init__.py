@@ -1,0 +1,14 @@
+"""The vLLM test harness that the tests, the GPU check (gpu/) and the benchmarks (bench/) share.
+
+- wheel_cache: the machine's cache of the vLLM 0.33.0 wheel, the parts of it the checks read,
+  and the vLLM test venv built from it (venv-requirements.txt);
+- ple_equivalence: stock vLLM's PLE layer against the patched packed-table backend, step by
+  step through vLLM's own model state; its parts, which the GPU checks and bench/ use too:
+  ple_layer (vLLM's set-up, the layer built from a checkpoint, its rows), ple_steps (the V2
+  runner's steps and their schedule) and ple_faults (failures, host checks, refusals);
+- gpu_graph_check and gpu_host_split: the GPU check's CUDA-graph check and host-step split,
+  each with a CPU smoke mode that the tests run.
+
+The scripts run inside the vLLM venv with the checkout's root on PYTHONPATH, and import each
+other as `harness.*`.
+"""
