@@ -187,8 +187,8 @@ def report(records: list[dict[str, Any]]) -> str:
         kernel = ", ".join(f"{k.split('.', 1)[1]}={v}" for k, v in sorted(rec["kernel"].items()))
         extras.append(f"{rec['host']}: {'; '.join([*parts, kernel] if kernel else parts)}")
     published = [["published (other prompts and settings)", *(f"@{c}" for c in (1, 8, 16))]]
-    for setup, figures in PUBLISHED.items():
-        published.append([setup, *(figures.get(c, "-") for c in (1, 8, 16))])
+    for setup, quoted in PUBLISHED.items():
+        published.append([setup, *(quoted.get(c, "-") for c in (1, 8, 16))])
     return "\n".join([*lines, *extras, "", *table(published)])
 
 

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import wheel_cache
 from ansible_local import ansible_playbook
 from lab_inputs import free_port, patched_site
 
+from harness import wheel_cache
 from sparkple.builder.build import build_table
 from sparkple.builder.synth import synth_checkpoint
 from sparkple.serving import benchmark
