@@ -85,17 +85,18 @@ def table(rows: list[tuple[str, str, str]]) -> str:
 
 def main(argv: list[str]) -> int:
     check = "--check" in argv
-    stale = []
+    stale: list[Path] = []
     mismatches = [m for role in sorted(ROOT.glob("roles/*/")) for m in contract_mismatches(role)]
     for problem in mismatches:
         print(problem)
     for defaults in sorted(ROOT.glob("roles/*/defaults/main.yml")):
         readme = defaults.parent.parent / "README.md"
         text = readme.read_text()
-        if not SECTION.search(text):
+        section = SECTION.search(text)
+        if not section:
             raise SystemExit(f"{readme}: no '## Variables' section to generate")
-        generated = table(documented_defaults(defaults))
-        new = SECTION.sub(lambda _, generated=generated: generated, text, count=1)
+        # spliced in, not re.sub'd: the table's backslashes are text, not group references
+        new = text[: section.start()] + table(documented_defaults(defaults)) + text[section.end() :]
         new = new.rstrip("\n") + "\n"
         if new != text:
             stale.append(readme.relative_to(ROOT))

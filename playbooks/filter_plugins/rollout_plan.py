@@ -14,7 +14,7 @@ Ansible applies to every host of the batch), so nothing else may share its batch
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -102,5 +102,5 @@ def rollout_plan(
 
 
 class FilterModule:
-    def filters(self) -> dict:
+    def filters(self) -> dict[str, Callable[..., object]]:
         return {"rollout_plan": rollout_plan}

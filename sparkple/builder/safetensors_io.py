@@ -16,7 +16,7 @@ import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
 
@@ -338,7 +338,7 @@ class Snapshot:
             )
         return info
 
-    def config(self) -> dict:
+    def config(self) -> dict[str, Any]:
         path = self.dir / "config.json"
         raw = read_regular(path, "config.json")
         try:

@@ -180,7 +180,9 @@ def synth_checkpoint(
 
     tensors: dict[str, Tensor] = {}
 
-    def add(name: str, dtype: str, shape: tuple[int, ...], chunks: Callable[[], Iterator[bytes]]):
+    def add(
+        name: str, dtype: str, shape: tuple[int, ...], chunks: Callable[[], Iterator[bytes]]
+    ) -> None:
         tensors[name] = (name, dtype, shape, chunks)
 
     # NVFP4 codes and scales live in separate tensors (often in different files): both draw

@@ -114,7 +114,7 @@ def verify_table(
 def inspect_table(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
     meta = read_meta(out_dir)
     out = Path(out_dir).resolve()
-    info = json.loads(meta.to_json())
+    info: dict[str, Any] = json.loads(meta.to_json())
     info.update(
         data_path=str(meta.data_path(out)),
         meta_path=str(out / META_NAME),

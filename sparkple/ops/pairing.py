@@ -274,7 +274,8 @@ class PairMember(Supervisor):
         if self.peer is not None:
             return False
         seen = max(float(st["pair"]["peer"].get("seen_at") or 0.0), self.started_at)
-        return now - seen > self.args.pair_peer_timeout_s
+        timeout: float = self.args.pair_peer_timeout_s  # argparse type=float
+        return now - seen > timeout
 
     def hands_off_pair(self, st: dict[str, Any], now: float) -> bool:
         """The manual-stop flag of either node (the peer's as last seen): nothing is started

@@ -20,8 +20,23 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TypedDict
 
 DEFAULT_PATTERNS = "psm_*,nccl-*,torch_*,sparkple-*"
+
+
+class Segment(TypedDict):
+    path: str
+    bytes: int
+
+
+class Report(TypedDict):
+    """What survey() found and did; main() prints it as JSON."""
+
+    segments: list[Segment]
+    held: dict[str, list[int]]
+    removed: list[str]
+    bytes_freed: int
 
 
 def segments(shm_dir: Path, patterns: list[str]) -> list[Path]:
@@ -60,11 +75,11 @@ def holders(paths: list[Path]) -> dict[str, list[int]]:
     return {path: sorted(pids) for path, pids in held.items()}
 
 
-def survey(shm_dir: Path, patterns: list[str], remove: bool) -> dict:
+def survey(shm_dir: Path, patterns: list[str], remove: bool) -> Report:
     """The matching segments and their holders; with `remove`, delete them when none is held."""
     found = segments(shm_dir, [pat for pat in patterns if pat])
     held = holders(found)
-    report: dict = {"segments": [], "held": held, "removed": [], "bytes_freed": 0}
+    report: Report = {"segments": [], "held": held, "removed": [], "bytes_freed": 0}
     for seg in found:
         try:
             report["segments"].append({"path": str(seg), "bytes": seg.stat().st_size})
@@ -82,7 +97,7 @@ def survey(shm_dir: Path, patterns: list[str], remove: bool) -> dict:
     return report
 
 
-def clean_unheld(shm_dir: Path, patterns: list[str]) -> dict:
+def clean_unheld(shm_dir: Path, patterns: list[str]) -> Report:
     """Remove the matching segments unless a live process holds any of them (the report says)."""
     return survey(shm_dir, patterns, remove=True)
 

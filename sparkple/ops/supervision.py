@@ -100,7 +100,9 @@ class Supervisor:
         log(f"{event} {json.dumps(details, sort_keys=True) if details else ''}".rstrip())
 
     def delay(self, restarts: int) -> float:
-        return min(self.args.backoff_base_s * 2**restarts, self.args.backoff_cap_s)
+        base: float = self.args.backoff_base_s  # argparse type=float
+        cap: float = self.args.backoff_cap_s
+        return min(base * 2.0**restarts, cap)  # 2**int is typed Any (a negative power is float)
 
     def running(self) -> bool:
         return run_command(self.args.check_cmd, self.values, timeout_s=60).ok

@@ -23,6 +23,7 @@ import json
 import sys
 from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
 from .state import read_json_object, write_json
 
@@ -133,7 +134,7 @@ def give_back(
 
 def put(
     state_path: Path,
-    state: dict,
+    state: dict[str, Any],
     proc_sys: Path,
     wanted: dict[str, str],
     replaced: dict[str, str],

@@ -29,7 +29,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], name: str) -> None:
     parser = subparsers.add_parser(name, help="render and check vLLM patch profiles")
     actions = parser.add_subparsers(dest="patch_command", metavar="ACTION", required=True)
     render_p = actions.add_parser("render", help="render a profile against original vLLM files")

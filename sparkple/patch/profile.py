@@ -6,7 +6,7 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import PatchError
 
@@ -91,15 +91,19 @@ def _template_paths(rel: str, edits: dict[str, list[Edit]], added: dict[str, str
     return [edit.template for edit in edits.get(rel, [])]
 
 
-def _require(data: dict, key: str, kind: type, where: str) -> Any:
+T = TypeVar("T")
+
+
+def _require(data: dict[str, Any], key: str, kind: type[T], where: str) -> T:
     if key not in data:
         raise PatchError(f"{where}: missing key {key!r}")
-    if not isinstance(data[key], kind):
-        raise PatchError(f"{where}: {key!r} must be a {kind.__name__}, got {data[key]!r}")
-    return data[key]
+    value = data[key]
+    if not isinstance(value, kind):
+        raise PatchError(f"{where}: {key!r} must be a {kind.__name__}, got {value!r}")
+    return value
 
 
-def _require_choice(data: dict, key: str, choices: tuple[str, ...], where: str) -> str:
+def _require_choice(data: object, key: str, choices: tuple[str, ...], where: str) -> str:
     if not isinstance(data, dict):
         raise PatchError(f"{where} must be a mapping")
     value = _require(data, key, str, where)

@@ -10,11 +10,14 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..errors import PatchError
 from .profile import PATCH_MARKER, Edit, Profile, load_profile, resolve_variables, sha256_bytes
+
+if TYPE_CHECKING:  # jinja2 is imported only when a profile is rendered
+    import jinja2
 
 MANIFEST_NAME = "manifest.json"
 
@@ -26,7 +29,7 @@ def py_literal(value: Any) -> str:
     return repr(value)
 
 
-def _jinja_env(profile: Profile):
+def _jinja_env(profile: Profile) -> jinja2.Environment:
     import jinja2
 
     env = jinja2.Environment(
@@ -39,7 +42,7 @@ def _jinja_env(profile: Profile):
     return env
 
 
-def _render_template(env, template: str, context: dict[str, Any]) -> str:
+def _render_template(env: jinja2.Environment, template: str, context: dict[str, Any]) -> str:
     import jinja2
 
     try:

@@ -21,7 +21,9 @@ if TYPE_CHECKING:
     import torch
 
 
-def _check_layout(num_tokens: int, qsl: list[int], ctx_shape: tuple, context: int) -> None:
+def _check_layout(
+    num_tokens: int, qsl: list[int], ctx_shape: tuple[int, ...], context: int
+) -> None:
     """Refuse a request layout the hash would silently misread."""
     num_reqs = len(qsl) - 1
     if num_reqs < 1:

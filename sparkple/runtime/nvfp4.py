@@ -111,7 +111,8 @@ def dequantize_rows(packed: np.ndarray, global_scale: float, head_dim: int = 160
     lead = packed.shape[:-1]
     pairs = _BYTE_PAIRS[packed[..., :cw]].reshape(*lead, head_dim // BLOCK, BLOCK)
     scales = E4M3_TABLE[packed[..., cw:]][..., None]
-    return ((pairs * scales) * np.float32(global_scale)).reshape(*lead, head_dim)
+    decoded: np.ndarray = ((pairs * scales) * np.float32(global_scale)).reshape(*lead, head_dim)
+    return decoded
 
 
 def dequantize_fp8_rows(rows: np.ndarray, scale: float) -> np.ndarray:

@@ -256,7 +256,7 @@ class Prefetcher:
         if self.recent_s <= 0:
             return pages
         self._rotate()
-        new = pages[self._advised[pages] == 0]
+        new: np.ndarray = pages[self._advised[pages] == 0]
         self._advised[pages] |= _TOUCHED_NOW  # the recent ones are in use again too
         return new
 

@@ -37,7 +37,8 @@ class OwnedRows:
     def select(self, ids: np.ndarray) -> np.ndarray:
         """The ids inside the range, flattened (what the page advice may touch)."""
         flat = np.asarray(ids).reshape(-1)
-        return flat[self.mask(flat)]
+        selected: np.ndarray = flat[self.mask(flat)]
+        return selected
 
     def gather(self, rows: np.ndarray, flat_ids: np.ndarray, out: np.ndarray) -> None:
         """out[i] = rows[flat_ids[i]] for owned ids, zeros for the others.

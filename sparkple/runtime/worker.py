@@ -211,7 +211,9 @@ class GatherWorker:
         self.open_step(seq, timeout_s=timeout_s, tokens=ids.shape[0])
         self._queue(seq, tokens=tokens, end=ids.shape[0])
 
-    def submit_row_ids(self, seq: int, row_ids: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def submit_row_ids(
+        self, seq: int, row_ids: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> None:
         """Queue step `seq` with precomputed row ids int64[T, num_heads]."""
         ids = self._checked_ids(row_ids)
         self.open_step(seq, timeout_s=timeout_s, tokens=ids.shape[0])
@@ -224,7 +226,7 @@ class GatherWorker:
             raise ValueError(f"row ids must be {want}, got {list(ids.shape)}")
         return ids
 
-    def open_step(self, seq: int, *, timeout_s: float = DEFAULT_TIMEOUT_S, tokens: int = 0):
+    def open_step(self, seq: int, *, timeout_s: float = DEFAULT_TIMEOUT_S, tokens: int = 0) -> None:
         """Reserve a staging slot for step `seq` (its pieces follow); waits for a free slot,
         and for the device copy that read that slot last."""
         if tokens > self.max_tokens:
@@ -455,7 +457,9 @@ class GatherWorker:
         with self._lock:
             return self._done[self._step(seq).ticket]
 
-    def decode(self, seq: int, rows: np.ndarray, device: Any = "cpu", dtype: Any = None):
+    def decode(
+        self, seq: int, rows: np.ndarray, device: Any = "cpu", dtype: Any = None
+    ) -> torch.Tensor:
         """Copy a waited step's rows to `device` and decode them there: float[T, H, head_dim].
 
         A CUDA copy from pinned staging is asynchronous; release(seq) waits for it to finish
@@ -512,7 +516,8 @@ class GatherWorker:
         """Mark the device copy just queued from step `seq`'s slot (an event on its stream)."""
         import torch
 
-        event = torch.cuda.Event()
+        # torch leaves Event.__new__ unannotated
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record()
         with self._lock:
             self._slot_events[self._step(seq).slot] = event

@@ -292,7 +292,9 @@ def pairs_of(hostvars: Mapping[str, Mapping[str, Any]]) -> dict[str, Pair]:
     return pairs
 
 
-def inventory_view(hostvars: Mapping[str, Mapping[str, Any]], hosts: Any) -> dict[str, dict]:
+def inventory_view(
+    hostvars: Mapping[str, Mapping[str, Any]], hosts: Any
+) -> dict[str, dict[str, Any]]:
     """Only the pair variables of `hosts` (Ansible's hostvars templates a variable when read)."""
     return {h: {k: hostvars[h][k] for k in INVENTORY_VARS if k in hostvars[h]} for h in hosts}
 

@@ -238,7 +238,9 @@ def measure(settings: Settings) -> dict[str, Any]:  # pragma: no cover - run by 
         dist.destroy_process_group()
     versions: dict[str, str] = {"torch": str(torch.__version__)}
     if backend == "nccl":
-        versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        # torch leaves nccl.version() unannotated
+        nccl = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
+        versions["nccl"] = ".".join(map(str, nccl))
     return {"backend": backend, "device": str(device), "versions": versions, "figures": figures}
 
 

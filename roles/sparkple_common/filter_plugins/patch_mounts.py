@@ -6,6 +6,8 @@ mount the same way: each file of the patch directory over the same relative path
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 def patch_mounts(paths: list[str], patch_dir: str, vllm_path: str) -> list[dict[str, str]]:
     paths = list(paths)
@@ -15,5 +17,5 @@ def patch_mounts(paths: list[str], patch_dir: str, vllm_path: str) -> list[dict[
 
 
 class FilterModule:
-    def filters(self) -> dict:
+    def filters(self) -> dict[str, Callable[..., object]]:
         return {"patch_mounts": patch_mounts}

@@ -11,7 +11,7 @@ host and the variable to fix. The package is this checkout's, the one sparkple_p
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ def sparkple_pair_disagreements(head: Mapping[str, Any], worker: Mapping[str, An
 
 
 class FilterModule:
-    def filters(self) -> dict:
+    def filters(self) -> dict[str, Callable[..., object]]:
         return {
             "sparkple_pair": sparkple_pair,
             "sparkple_pair_disagreements": sparkple_pair_disagreements,

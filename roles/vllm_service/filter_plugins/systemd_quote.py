@@ -7,6 +7,8 @@ written double-quoted with `\\` and `"` escaped, `%` doubled and `$` doubled.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 def systemd_word(value: object) -> str:
     text = str(value)
@@ -17,5 +19,5 @@ def systemd_word(value: object) -> str:
 
 
 class FilterModule:
-    def filters(self) -> dict:
+    def filters(self) -> dict[str, Callable[..., object]]:
         return {"systemd_word": systemd_word}

@@ -24,5 +24,7 @@ def recipe_variables() -> dict[str, str]:
 
 
 class LookupModule(LookupBase):
-    def run(self, terms: list, variables: dict | None = None, **kwargs: object) -> list:
+    def run(
+        self, terms: list[object], variables: dict[str, object] | None = None, **kwargs: object
+    ) -> list[dict[str, str]]:
         return [recipe_variables()]
