@@ -21,6 +21,8 @@ A head that already has its worker answers any other connection with one refusal
 Once a pair has formed, each node prints the init lines NCCL would log for the transport its
 environment selects (`announce_network`), so that the head's transport check has something real
 to read in the unit's journal. That is the lab's model of NCCL, not NCCL.
+
+PairSide is a node's place in the pair, as the front reads it from the multi-node flags.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from sparkple.errors import SparkpleError
 from sparkple.runtime.rankcheck import Release, release_mismatch
@@ -54,6 +56,20 @@ JOIN_RETRY_S = 0.2
 
 class PairRefused(SparkpleError):
     """The two nodes cannot serve together (the message names both); the node exits 1."""
+
+
+class PairSide(NamedTuple):
+    """This node's place in a pair (from the multi-node flags) and the lab's bounds on it."""
+
+    rank: int
+    master_addr: str
+    master_port: int
+    peer_timeout_s: float  # the head's engine dies this long after its worker went
+    join_timeout_s: float  # the worker gives up reaching its head after this long
+
+    @property
+    def rendezvous(self) -> str:
+        return f"{self.master_addr}:{self.master_port}"
 
 
 def node_name(rank: int) -> str:
