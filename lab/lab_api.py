@@ -238,7 +238,7 @@ class Reply:
             return
         text = "".join(texts)
         if self.chat:
-            message = {
+            message: dict[str, Any] = {
                 "role": "assistant",
                 "content": text,
                 "reasoning_content": None,

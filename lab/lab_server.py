@@ -86,7 +86,10 @@ from __future__ import annotations
 import sys
 
 # beside this file, as in the lab images; what tests/vllm reads from this script too
-from lab_front import ACCEPTED_FLAGS, PAIR_FLAGS, main, parse_args
+from lab_front import main, parse_args
+
+from sparkple.serving.pair import PAIR_FLAGS
+from sparkple.serving.recipe import ACCEPTED_FLAGS
 
 __all__ = ["ACCEPTED_FLAGS", "PAIR_FLAGS", "main", "parse_args"]
 
