@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,7 +118,7 @@ def lab_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, in
                 pass
             if server.poll() is not None:
                 pytest.fail((root / "server.log").read_text())
-            subprocess.run(["sleep", "0.1"], check=True)
+            time.sleep(0.1)
         yield snap, port
     finally:
         server.terminate()
