@@ -27,27 +27,23 @@ import json
 import mmap
 import os
 import resource
-import statistics
-import subprocess
 import sys
-import tempfile
-import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from measure import log, read_bytes
+from measure import log, median, pct, read_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from device_io import PreadPool, device_random_reads, device_random_reads_aio  # noqa: E402
+from handshake_bench import bench_handshake  # noqa: E402
+from ple_io_plots import write_plots  # noqa: E402
 from synthtable import ensure_table  # noqa: E402
 
 from sparkple.runtime.gather import gather_rows  # noqa: E402
-from sparkple.runtime.handshake import Publisher, SeqFlag, Waiter  # noqa: E402
 from sparkple.runtime.prefetch import MECHANISMS, Prefetcher, plan_page_numbers  # noqa: E402
 from sparkple.runtime.table import PackedTable, open_table  # noqa: E402
 from sparkple.runtime.tablemeta import read_meta  # noqa: E402
@@ -60,14 +56,6 @@ PREFILL_ROWS = 32_768  # one 2,048-token prefill chunk x 16 heads
 
 def major_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
-
-
-def median(values: Sequence[float]) -> float:
-    return float(statistics.median(values))
-
-
-def pct(values: list[float] | np.ndarray, q: float) -> float:
-    return float(np.percentile(np.asarray(values), q))
 
 
 # ------------------------------------------------------------------------------ the table
@@ -172,131 +160,6 @@ def bench_decode_latency(table: PackedTable, tokens: int, reps: int, rng) -> dic
 
 
 # ------------------------------------------------------------------------------ prefill gather
-
-
-def device_random_reads(path: Path, size: int, reads: int, depth: int, rng) -> float:
-    """4 KiB O_DIRECT random reads per second, `depth` threads each with one read in flight."""
-    offsets = rng.integers(0, size // PAGE, reads) * PAGE
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    try:
-        parts = np.array_split(offsets, depth)
-        start = threading.Barrier(depth + 1)
-
-        def work(part: np.ndarray) -> None:
-            buf = mmap.mmap(-1, PAGE)  # page-aligned, as O_DIRECT needs
-            start.wait()
-            for off in part.tolist():
-                os.preadv(fd, [buf], off)
-            buf.close()
-
-        with ThreadPoolExecutor(depth) as pool:
-            futures = [pool.submit(work, p) for p in parts]
-            start.wait()
-            t0 = time.perf_counter()
-            for f in futures:
-                f.result()
-            return reads / (time.perf_counter() - t0)
-    finally:
-        os.close(fd)
-
-
-# Linux native AIO through raw syscalls: O_DIRECT reads kept `depth` deep by the kernel, with
-# no per-read thread handoff, so the figure is the device's, not Python's.
-# io_setup, io_submit, io_getevents, io_destroy
-_AIO_NR = {"x86_64": (206, 209, 208, 207), "aarch64": (0, 2, 4, 1)}
-
-
-def device_random_reads_aio(path: Path, size: int, reads: int, depth: int, rng) -> float | None:
-    """4 KiB O_DIRECT random reads per second at queue depth `depth` via io_submit."""
-    import ctypes
-
-    class Iocb(ctypes.Structure):  # struct iocb, little-endian layout
-        _fields_ = [("data", ctypes.c_uint64), ("key", ctypes.c_uint32),
-                    ("rw_flags", ctypes.c_uint32), ("opcode", ctypes.c_uint16),
-                    ("prio", ctypes.c_int16), ("fd", ctypes.c_uint32), ("buf", ctypes.c_uint64),
-                    ("nbytes", ctypes.c_uint64), ("offset", ctypes.c_int64),
-                    ("reserved2", ctypes.c_uint64), ("flags", ctypes.c_uint32),
-                    ("resfd", ctypes.c_uint32)]  # fmt: skip
-
-    class Event(ctypes.Structure):
-        _fields_ = [("data", ctypes.c_uint64), ("obj", ctypes.c_uint64),
-                    ("res", ctypes.c_int64), ("res2", ctypes.c_int64)]  # fmt: skip
-
-    nrs = _AIO_NR.get(os.uname().machine)
-    if nrs is None:
-        return None
-    setup, submit, getevents, destroy = nrs
-    syscall = ctypes.CDLL(None, use_errno=True).syscall
-    syscall.restype = ctypes.c_long
-    ctx = ctypes.c_ulong(0)
-    if syscall(setup, depth, ctypes.byref(ctx)) < 0:
-        return None
-    offsets = (rng.integers(0, size // PAGE, reads) * PAGE).tolist()
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    bufs = mmap.mmap(-1, depth * PAGE)  # page-aligned, as O_DIRECT needs
-    anchor = ctypes.c_char.from_buffer(bufs)
-    base = ctypes.addressof(anchor)
-    iocbs = (Iocb * depth)()
-    for i in range(depth):
-        iocbs[i].data, iocbs[i].fd, iocbs[i].nbytes = i, fd, PAGE
-        iocbs[i].buf = base + i * PAGE
-    batch = (ctypes.POINTER(Iocb) * depth)()
-    pointers = [ctypes.pointer(iocbs[i]) for i in range(depth)]
-    events = (Event * depth)()
-    try:
-        t0 = time.perf_counter()
-        issued = done = 0
-        free = list(range(depth))
-        while done < reads:
-            n = min(len(free), reads - issued)
-            for k in range(n):  # refill every free slot, submit them in one call
-                i = free.pop()
-                iocbs[i].offset = offsets[issued + k]
-                batch[k] = pointers[i]
-            if n and syscall(submit, ctx, ctypes.c_long(n), batch) != n:
-                return None
-            issued += n
-            got = syscall(getevents, ctx, ctypes.c_long(1), ctypes.c_long(depth), events, None)
-            if got < 0:
-                return None
-            for e in events[:got]:
-                if e.res != PAGE:
-                    return None
-                free.append(e.data)
-            done += got
-        return reads / (time.perf_counter() - t0)
-    finally:
-        syscall(destroy, ctx)
-        os.close(fd)
-        del anchor
-        bufs.close()
-
-
-class PreadPool:
-    """A bench-only alternative to advice: 32 threads each pread one byte of every page the
-    batch touches (the table's fd has POSIX_FADV_RANDOM: no readahead), i.e. the page cache
-    filled by blocking reads at depth 32."""
-
-    mechanism = "pread_pool"
-
-    def __init__(self, table: PackedTable, threads: int = 32) -> None:
-        self.fd, self.width, self.threads = table.fd, table.row_width, threads
-        self.pool = ThreadPoolExecutor(threads)
-
-    def _read(self, offsets: np.ndarray) -> None:
-        for off in offsets.tolist():
-            os.pread(self.fd, 1, off)
-
-    def prefetch(self, ids: np.ndarray) -> None:
-        offsets = plan_page_numbers(ids, self.width) * PAGE
-        for f in [self.pool.submit(self._read, p) for p in np.array_split(offsets, self.threads)]:
-            f.result()
-
-    def forget(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.pool.shutdown()
 
 
 def prefill_once(table: PackedTable, ids: np.ndarray, prefetcher: Any):
@@ -426,201 +289,6 @@ def bench_warm(table: PackedTable, reps: int, rng) -> dict[str, float]:
         "gather_rows_per_s": PREFILL_ROWS / median(t_gather),
         "numpy_fancy_rows_per_s": PREFILL_ROWS / median(t_fancy),
     }
-
-
-# ------------------------------------------------------------------------------ handshake
-
-_PRODUCER = r"""
-import os, sys, time
-import numpy as np
-sys.path.insert(0, sys.argv[1])
-from sparkple.runtime.handshake import Publisher, SeqFlag
-mode, delays = sys.argv[2], np.load(sys.argv[3])
-if sys.argv[6] == "rt":
-    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
-stamps = np.zeros(len(delays) + 1, dtype=np.int64)
-if mode == "shm":
-    flag = SeqFlag.attach(sys.argv[5])
-    pub = Publisher(flag)
-else:
-    wfd = int(sys.argv[5])
-sys.stdin.readline()  # start together
-for i, delay in enumerate(delays.tolist(), start=1):
-    time.sleep(delay)  # the stamp is taken after waking: only the publish-to-observe counts
-    now = time.perf_counter_ns()
-    if mode == "shm":
-        pub.publish(i)
-    else:
-        os.write(wfd, b"!")
-    stamps[i] = now  # kept here until the end, so no side channel sits in the timed path
-stamps.tofile(sys.argv[4])
-"""
-
-
-def _handshake_run(mode: str, delays: np.ndarray, work: Path, rt: bool = False) -> np.ndarray:
-    """Publish-to-observe latencies (s) for each delay; `mode` is shm (sparkple) or pipe.
-
-    Both sides read the same clock (CLOCK_MONOTONIC): the producer stamps just before it
-    publishes, the waiter just after it observes; the producer hands its stamps over at exit.
-    rt: run both sides SCHED_FIFO, so CPU contention from other processes drops out and the
-    figure is the mechanism's own.
-    """
-    np.save(work / "delays.npy", delays)
-    stamps_path = work / "stamps.bin"
-    stamps_path.unlink(missing_ok=True)
-    flag = SeqFlag.create() if mode == "shm" else None
-    rfd, wfd = os.pipe()
-    target = str(flag.path) if flag is not None else str(wfd)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _PRODUCER, str(ROOT), mode, str(work / "delays.npy"),
-         str(stamps_path), target, "rt" if rt else "-"],
-        stdin=subprocess.PIPE,
-        pass_fds=(wfd,),
-        text=True,
-    )  # fmt: skip
-    os.close(wfd)
-    seen = np.empty(len(delays) + 1, dtype=np.int64)
-    policy = os.sched_getscheduler(0), os.sched_getparam(0)
-    try:
-        if rt:
-            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
-        assert proc.stdin is not None
-        waiter = Waiter(flag) if flag is not None else None
-        time.sleep(0.3)  # the child has imported and attached
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        for i in range(1, len(delays) + 1):
-            if waiter is not None:
-                waiter.wait(i, timeout_s=10)
-            else:
-                os.read(rfd, 1)
-            seen[i] = time.perf_counter_ns()
-    finally:
-        os.sched_setscheduler(0, *policy)
-        proc.wait(timeout=30)
-        os.close(rfd)
-        if flag is not None:
-            flag.close()
-    if proc.returncode != 0:
-        raise RuntimeError(f"the handshake producer ({mode}) exited {proc.returncode}")
-    stamps = np.fromfile(stamps_path, dtype=np.int64)
-    return (seen[1:] - stamps[1:]) / 1e9
-
-
-def _idle_cpu(wait_s: float) -> float:
-    """CPU fraction a waiter burns while the producer publishes only after wait_s."""
-    with SeqFlag.create() as flag:
-        pub = Publisher(flag)
-        timer = threading.Timer(wait_s, pub.publish, args=(1,))
-        timer.start()
-        c0, t0 = time.thread_time(), time.perf_counter()
-        Waiter(flag).wait(1, timeout_s=wait_s + 10)
-        cpu, wall = time.thread_time() - c0, time.perf_counter() - t0
-        timer.join()
-    return cpu / wall
-
-
-def bench_handshake(n: int, rng) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="sparkple-hs-") as tmp:
-        work = Path(tmp)
-        step = rng.uniform(0, 0.002, n)  # a decode step's gather finishing within 2 ms
-        long = np.full(max(20, n // 20), 0.02)  # waits long enough to be sleeping
-        shm = _handshake_run("shm", step, work)
-        pipe = _handshake_run("pipe", step, work)
-        shm_long = _handshake_run("shm", long, work)
-        pipe_long = _handshake_run("pipe", long, work)
-        shm_rt: np.ndarray | None
-        pipe_rt: np.ndarray | None
-        try:
-            shm_rt = _handshake_run("shm", step, work, rt=True)
-            pipe_rt = _handshake_run("pipe", step, work, rt=True)
-        except PermissionError:  # no CAP_SYS_NICE / RLIMIT_RTPRIO here
-            shm_rt = pipe_rt = None
-    idle = _idle_cpu(1.0)
-    us = 1e6
-    return {
-        "handshake_p50_us": pct(shm, 50) * us,
-        "handshake_p99_us": pct(shm, 99) * us,
-        "pipe_p50_us": pct(pipe, 50) * us,
-        "pipe_p99_us": pct(pipe, 99) * us,
-        "handshake_after_20ms_p50_us": pct(shm_long, 50) * us,
-        "handshake_after_20ms_p99_us": pct(shm_long, 99) * us,
-        "pipe_after_20ms_p50_us": pct(pipe_long, 50) * us,
-        "pipe_after_20ms_p99_us": pct(pipe_long, 99) * us,
-        "handshake_rt_p50_us": pct(shm_rt, 50) * us if shm_rt is not None else None,
-        "handshake_rt_p99_us": pct(shm_rt, 99) * us if shm_rt is not None else None,
-        "pipe_rt_p99_us": pct(pipe_rt, 99) * us if pipe_rt is not None else None,
-        "handshake_idle_cpu_fraction": idle,
-        "load_average": os.getloadavg(),
-        "handshake_samples": n,
-        "samples_us": {"shm": (shm * us).round(2).tolist(), "pipe": (pipe * us).round(2).tolist()},
-    }
-
-
-# ------------------------------------------------------------------------------ plots
-
-
-def write_plots(result: dict[str, Any], json_path: Path) -> list[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib is not installed (pip install -e '.[bench]'): no plots")
-        return []
-    stem = json_path.with_suffix("")
-    paths = []
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    dec = result["decode_bytes_per_token"]
-    names = ["page floor", "random", "normal"]
-    values = [result["page_floor_bytes_per_token"], dec["random"], dec["normal"]]
-    ax.bar(names, [v / 1024 for v in values], color=["grey", "tab:green", "tab:red"])
-    ax.set_yscale("log")
-    ax.set_ylabel("KiB read from disk per decoded token")
-    ax.set_title("Decode I/O per advice mode (cold table)")
-    paths.append(_save(fig, f"{stem}-decode-bytes.png"))
-
-    fig = _cdf_plot(plt, result["decode_latency"]["samples_ms"], "ms per token")
-    fig.axes[0].set_title("Decode latency per token: cold (serial faults, sparkple) and warm")
-    paths.append(_save(fig, f"{stem}-decode-latency.png"))
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    pps = result["prefill_pages_per_s"]
-    ax.barh(list(pps), [v / 1e3 for v in pps.values()])
-    ax.axvline(result["device_qd32_iops"] / 1e3, color="k", ls="--", label="device qd32")
-    ax.axvline(result["device_qd1_iops"] / 1e3, color="grey", ls=":", label="device qd1")
-    ax.set_xlabel("thousand pages/s, cold 32,768-row gather")
-    ax.legend()
-    paths.append(_save(fig, f"{stem}-prefill.png"))
-
-    xlabel = "publish-to-observe latency (us), across processes"
-    fig = _cdf_plot(plt, result["handshake"]["samples_us"], xlabel)
-    paths.append(_save(fig, f"{stem}-handshake.png"))
-    return paths
-
-
-def _cdf_plot(plt: Any, samples: dict[str, list[float]], xlabel: str) -> Any:
-    """One cumulative distribution per named sample set, on a log x axis."""
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, values in samples.items():
-        ordered = np.sort(values)
-        ax.plot(ordered, np.linspace(0, 1, len(ordered)), label=name)
-    ax.set_xscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("fraction of samples")
-    ax.legend()
-    return fig
-
-
-def _save(fig: Any, path: str) -> str:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return path
 
 
 # ------------------------------------------------------------------------------ main
