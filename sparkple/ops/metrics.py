@@ -36,6 +36,7 @@ from ..meminfo import read_meminfo
 from ..runtime import stats
 from ..runtime.pagecache import PAGE_SIZE, file_resident_pages
 from ..runtime.tablemeta import read_meta
+from .exposition import Exposition
 from .host import block_device, kernel_error_counts, run_command
 from .linkcounters import check_name, parse_hca, read_interface, read_rdma
 from .state import (
@@ -46,7 +47,6 @@ from .state import (
     read_json_object,
 )
 
-PREFIX = "sparkple_"
 STATS_HELP = {
     "rows_gathered": "rows copied into staging by the gather worker",
     "gather_calls": "gather batches",
@@ -63,48 +63,6 @@ STATS_HELP = {
 
 def warn(message: str) -> None:
     print(f"ple-metrics: {message}", file=sys.stderr, flush=True)
-
-
-class Exposition:
-    """Prometheus text exposition: HELP and TYPE once per family, then its samples."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def family(self, name: str, kind: str, help_text: str) -> str:
-        full = PREFIX + name
-        self.lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"]
-        return full
-
-    def sample(self, name: str, value: float, labels: dict[str, str] | None = None) -> None:
-        label_text = ""
-        if labels:
-            inner = ",".join(f'{k}="{escape(v)}"' for k, v in sorted(labels.items()))
-            label_text = "{" + inner + "}"
-        self.lines.append(f"{name}{label_text} {format_value(value)}")
-
-    def metric(
-        self,
-        name: str,
-        kind: str,
-        help_text: str,
-        value: float,
-        labels: dict[str, str] | None = None,
-    ) -> None:
-        self.sample(self.family(name, kind, help_text), value, labels)
-
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
-
-
-def escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def format_value(value: float) -> str:
-    if isinstance(value, int) or float(value).is_integer():
-        return str(int(value))
-    return repr(float(value))
 
 
 # -- memory -----------------------------------------------------------------------------------
