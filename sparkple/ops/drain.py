@@ -1,5 +1,5 @@
-"""The drain before a maintenance relaunch: wait until vLLM's /metrics shows no running or
-waiting request, or the time runs out."""
+"""The drain rule, one home for the supervisor's maintenance relaunch and the rollout: wait until
+vLLM's /metrics shows no running or waiting request, or the time runs out."""
 
 from __future__ import annotations
 
@@ -36,19 +36,41 @@ def requests_in_flight(url: str) -> float | None:
     return total if seen else None
 
 
+def wait_until_idle(metrics_url: str, timeout_s: float, poll_s: float = 5.0) -> float | None:
+    """The requests in flight when the wait ends: 0 once the engine drained; None when its
+    metrics cannot be read (no engine answering); more than 0 when still busy at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy = requests_in_flight(metrics_url)
+        left = deadline - time.monotonic()
+        if not busy or left <= 0:  # None or 0: nothing to wait for
+            return busy
+        time.sleep(min(poll_s, max(0.1, left)))
+
+
 def drain(metrics_url: str, timeout_s: float, log: Callable[[str], None]) -> bool:
     """Whether the engine drained (False without a metrics URL, when its metrics cannot be read,
     or when it is still busy at the deadline; each told through `log`)."""
     if not metrics_url:
         return False
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        busy = requests_in_flight(metrics_url)
-        if busy is None:
-            log("drain: engine metrics unreadable; relaunching without draining")
-            return False
-        if busy == 0:
-            return True
-        time.sleep(min(5.0, max(0.1, deadline - time.monotonic())))
-    log(f"drain: still busy after {timeout_s:g} s; relaunching anyway")
-    return False
+    busy = wait_until_idle(metrics_url, timeout_s)
+    if busy is None:
+        log("drain: engine metrics unreadable; relaunching without draining")
+    elif busy:
+        log(f"drain: still busy after {timeout_s:g} s; relaunching anyway")
+    return busy == 0
+
+
+def drain_command(metrics_url: str, timeout_s: float, poll_s: float) -> int:
+    """`supervisor drain`, the rollout's wait before it stops a host's server: exit 0 once
+    nothing is in flight (drained, or no engine answering: nothing to wait for), 1 when the
+    engine is still busy at the deadline."""
+    busy = wait_until_idle(metrics_url, timeout_s, poll_s)
+    if busy is None:
+        print(f"drain: no engine answers at {metrics_url}: nothing in flight to wait for")
+    elif busy:
+        print(f"drain: {busy:g} requests still running or waiting after {timeout_s:g} s")
+        return 1
+    else:
+        print("drain: no request running or waiting")
+    return 0

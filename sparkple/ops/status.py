@@ -1,6 +1,7 @@
 """The host's serving status in one report: the supervisor's, the watchdog's and the probe's
-state, the incidents of the last 24 h and the kernel's error counts (`supervisor status`, and
-the line of the supervisor's daily heartbeat)."""
+state, the incidents of the last 24 h, the kernel's error counts, MemAvailable now and, given
+the table's directory, whether a table is published there (`supervisor status`, which
+playbooks/status.yml reads, and the line of the supervisor's daily heartbeat)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..errors import TableError
+from ..meminfo import read_meminfo
+from ..runtime.tablemeta import META_NAME, read_meta
 from .host import KMSG, kernel_error_counts
 from .state import INCIDENT_KINDS, iso, manual_stop_path, read_json, read_markers
 
@@ -27,7 +31,9 @@ def state_options() -> argparse.ArgumentParser:
     return p
 
 
-def report(state_dir: Path, kmsg: Path, io_device: str = "") -> dict[str, Any]:
+def report(
+    state_dir: Path, kmsg: Path, io_device: str = "", table_dir: Path | None = None
+) -> dict[str, Any]:
     now = time.time()
     sup = read_json(state_dir / "supervisor.json", None)
     if not io_device and isinstance(sup, dict):
@@ -44,7 +50,19 @@ def report(state_dir: Path, kmsg: Path, io_device: str = "") -> dict[str, Any]:
         "kernel_errors": kernel_error_counts(kmsg, io_device),
         "table_device": io_device or None,
         "pair": pair_status(sup),
+        "mem_available_bytes": read_meminfo().get("MemAvailable"),
+        "table": table_status(table_dir) if table_dir is not None else None,
     }
+
+
+def table_status(table_dir: Path) -> dict[str, Any]:
+    """published (its metadata valid and its data file whole), missing or broken, and why."""
+    try:
+        meta = read_meta(table_dir)
+    except TableError as exc:
+        gone = not (table_dir / META_NAME).exists()
+        return {"state": "missing" if gone else "broken", "error": str(exc)}
+    return {"state": "published", "data_bytes": meta.data_bytes}
 
 
 def pair_status(sup: Any) -> dict[str, Any] | None:
@@ -117,8 +135,10 @@ def one_line(rep: dict[str, Any]) -> str:
     )
 
 
-def status(state_dir: Path, as_json: bool, kmsg: Path, io_device: str = "") -> int:
-    rep = report(state_dir, kmsg, io_device)
+def status(
+    state_dir: Path, as_json: bool, kmsg: Path, io_device: str = "", table_dir: Path | None = None
+) -> int:
+    rep = report(state_dir, kmsg, io_device, table_dir)
     if as_json:
         print(json.dumps(rep, indent=2, sort_keys=True))
         return 0
@@ -140,6 +160,11 @@ def status(state_dir: Path, as_json: bool, kmsg: Path, io_device: str = "") -> i
         kernel_line(rep["kernel_errors"], rep.get("table_device")),
         f"incidents in 24 h: {len(rep['incidents_24h'])}",
     ]
+    if rep["table"]:
+        table = rep["table"]
+        lines.append(
+            f"table: {table['state']}" + (f" ({table['error']})" if "error" in table else "")
+        )
     if rep["pair"]:
         lines.insert(2, pair_line(rep["pair"]))
     lines += [f"  {m['time_iso']} {m['kind']}: {m['reason']}" for m in rep["incidents_24h"]]

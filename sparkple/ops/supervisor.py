@@ -27,7 +27,8 @@ nothing; the manual-stop flag of either node is hands off for both.
 
 Subcommands: run, status, reset, manual-stop, resume, relaunch (drain, then stop and start,
 wait for /health and check a real generation: the weekly maintenance relaunch), incident
-(record one incident marker of a kind written outside the loop: a rollout's rollback).
+(record one incident marker of a kind written outside the loop: a rollout's rollback), drain
+(the rollout's wait for an idle engine, by the relaunch's rule: sparkple.ops.drain).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import time
 from pathlib import Path
 
 from ..atomicfile import write_text
-from .drain import drain_options
+from .drain import drain_command, drain_options
 from .host import service_options, table_device
 from .maintenance import relaunch
 from .pairing import make_supervisor
@@ -139,7 +140,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sub.add_parser(
         "relaunch", parents=[common, service, policy, drain_options()], help="drain, stop, start"
     )
+    drain = sub.add_parser("drain", help="wait until the engine runs and queues no request")
+    drain.add_argument("--metrics-url", required=True, help="vLLM's /metrics")
+    drain.add_argument("--timeout-s", type=float, required=True, help="give up (exit 1) after")
+    drain.add_argument("--poll-s", type=float, default=5.0, help="between reads")
     args = p.parse_args(argv)
+    if args.command == "drain" and (args.timeout_s < 0 or args.poll_s <= 0):
+        p.error("--timeout-s must be >= 0 and --poll-s > 0")
     if args.command in ("run", "reset", "relaunch") and (
         args.backoff_base_s <= 0
         or args.hold_after < 1
@@ -173,8 +180,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.command == "drain":
+        return drain_command(args.metrics_url, args.timeout_s, args.poll_s)
     if args.command == "status":
-        return status(args.state_dir, args.json, args.kmsg, table_device(args))
+        return status(args.state_dir, args.json, args.kmsg, table_device(args), args.table_dir)
     if args.command in ("manual-stop", "resume"):
         # Under the loop's lock: a check in progress finishes first, the next one sees the flag.
         with locked(args.state_dir / "supervisor.lock"):
