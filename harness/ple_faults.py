@@ -8,7 +8,7 @@ import importlib
 import json
 import os
 import time
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -19,6 +19,7 @@ from harness.ple_layer import (
     MAX_TOKENS,
     PLE_DECODER_LAYER,
     build,
+    config_fields,
     forward,
     kernel_order_step,
     model_state,
@@ -168,16 +169,8 @@ def refusals(patched, snapshot: Path, table_dir: Path) -> dict:
     current = get_current_vllm_config()
     parallel = current.parallel_config
 
-    @contextmanager
-    def setting(owner=parallel, **values):
-        saved = {field: getattr(owner, field) for field in values}
-        for field, value in values.items():
-            object.__setattr__(owner, field, value)
-        try:
-            yield
-        finally:
-            for field, value in saved.items():
-                object.__setattr__(owner, field, value)
+    def setting(owner: object = parallel, **values: object) -> AbstractContextManager[None]:
+        return config_fields(owner, **values)
 
     from vllm.config import EngramConfig
 

@@ -84,6 +84,20 @@ def vllm_context(
         yield
 
 
+@contextmanager
+def config_fields(owner: object, **values: object) -> Iterator[None]:
+    """Set fields of a frozen vLLM config (its dataclasses refuse plain assignment) for the
+    length of a `with` block, and put the old values back after it."""
+    saved = {name: getattr(owner, name) for name in values}
+    for name, value in values.items():
+        object.__setattr__(owner, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            object.__setattr__(owner, name, value)
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

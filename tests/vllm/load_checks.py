@@ -17,7 +17,6 @@ Usage: python load_checks.py cpu RENDERED_DIR RESULT_JSON SNAPSHOT=TABLE [SNAPSH
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import os
@@ -37,6 +36,7 @@ from harness.ple_layer import (
     NGRAM_MODULE,
     PLE_DECODER_LAYER,
     build,
+    config_fields,
     seed_loader_filter,
     vllm_context,
 )
@@ -82,19 +82,10 @@ def load_with_table(module, snapshot: Path, table: Path) -> dict:
     return {"stopped_at": None, "checked_at_load": checked}
 
 
-@contextlib.contextmanager
 def load_setting(**fields):
     from vllm.config import get_current_vllm_config
 
-    load = get_current_vllm_config().load_config
-    saved = {name: getattr(load, name) for name in fields}
-    for name, value in fields.items():
-        object.__setattr__(load, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            object.__setattr__(load, name, value)
+    return config_fields(get_current_vllm_config().load_config, **fields)
 
 
 LOAD_SETTINGS = {
