@@ -169,19 +169,16 @@ def refusals(patched, snapshot: Path, table_dir: Path) -> dict:
     current = get_current_vllm_config()
     parallel = current.parallel_config
 
-    def setting(owner: object = parallel, **values: object) -> AbstractContextManager[None]:
-        return config_fields(owner, **values)
-
     from vllm.config import EngramConfig
 
     across_dp = EngramConfig(cpu_offload=False, embedding_across_dp=True)
     cases: dict[str, AbstractContextManager] = {
-        "pipeline": setting(pipeline_parallel_size=2),
-        "prefill_context_parallel": setting(prefill_context_parallel_size=2),
+        "pipeline": config_fields(parallel, pipeline_parallel_size=2),
+        "prefill_context_parallel": config_fields(parallel, prefill_context_parallel_size=2),
         "v1_runner": mock.patch.dict(os.environ, {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
-        "tensor_parallel_4": setting(tensor_parallel_size=4),
-        "sequence_parallel": setting(tensor_parallel_size=2, enable_hc_sp=True),
-        "embedding_across_dp": setting(current, engram_config=across_dp),
+        "tensor_parallel_4": config_fields(parallel, tensor_parallel_size=4),
+        "sequence_parallel": config_fields(parallel, tensor_parallel_size=2, enable_hc_sp=True),
+        "embedding_across_dp": config_fields(current, engram_config=across_dp),
     }
     messages: dict[str, str | None] = {}
     os.environ["SPARKPLE_PLE_TABLE_DIR"] = str(table_dir)
