@@ -27,8 +27,10 @@ from pathlib import Path
 from typing import Any
 
 # vLLM's per-request lists: long, and not what a summary compares
+# (--save-detailed keeps them in the result: the errors say why a request failed)
 PER_REQUEST = ("input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors",
-               "start_times")  # fmt: skip
+               "start_times", "latencies", "queue_times", "server_queue_times",
+               "server_ttfts")  # fmt: skip
 
 
 def case_argv(plan: dict[str, Any], case: dict[str, Any]) -> list[str]:
@@ -41,7 +43,7 @@ def case_argv(plan: dict[str, Any], case: dict[str, Any]) -> list[str]:
         "--max-concurrency", str(case["concurrency"]), "--request-rate", "inf",
         "--output-len", str(case["output_len"]), "--ignore-eos",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-        "--disable-tqdm",
+        "--disable-tqdm", "--save-detailed",
     ]  # fmt: skip
     if case["dataset"] == "sharegpt":
         argv += ["--dataset-path", case["path"]]
@@ -79,6 +81,10 @@ def main(argv: list[str]) -> int:
             print(f"bench: {name}: no result within {plan['case_timeout_s']} s", flush=True)
             failed += 1
             continue
+        except Exception as exc:  # vLLM's benchmark raises when its first request fails
+            print(f"bench: {name}: failed: {type(exc).__name__}: {exc}", flush=True)
+            failed += 1
+            continue
         summary = {k: v for k, v in result.items() if k not in PER_REQUEST}
         summary["workload"], summary["concurrency"] = case["workload"], case["concurrency"]
         (out / f"{name}.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
@@ -90,6 +96,11 @@ def main(argv: list[str]) -> int:
         )
         if summary.get("completed", 0) < case["num_prompts"]:
             failed += 1
+            # why: the distinct errors of the requests that failed (vLLM keeps a traceback:
+            # its last line, the exception), each cut short
+            errors = {e.strip().splitlines()[-1][:300] for e in result.get("errors") or [] if e}
+            for error in sorted(errors):
+                print(f"bench: {name}: a request failed: {error}", flush=True)
     return 1 if failed else 0
 
 

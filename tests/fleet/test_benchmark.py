@@ -183,3 +183,34 @@ def test_the_playbook_runs_vllms_benchmark_and_keeps_the_record_and_the_table(
     assert "spark-1  none     prose" in table and "published (other prompts and settings)" in table
     assert (run / "tok-s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "bench: prose-c2: 2/2 requests" in proc.stdout
+
+
+def test_the_runner_names_why_a_case_failed(vllm_python: Path, tmp_path: Path) -> None:
+    """vLLM's benchmark against an address where nothing listens: the runner exits 1 and says,
+    for the case, why its requests failed (what the playbook's failure message then shows)."""
+    tokenizer = tmp_path / "tokenizer"
+    snap = synth_checkpoint(tmp_path / "ckpt")
+    tokenizer.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tokenizer / name).write_bytes((snap / name).read_bytes())
+    plan = {
+        "base_url": f"http://127.0.0.1:{free_port()}", "model": MODEL, "tokenizer": str(tokenizer),
+        "out_dir": str(tmp_path / "results"), "case_timeout_s": 60, "seed": 0,
+        "cases": benchmark.plan_cases(str(ROOT / "files" / "benchmark"), [1], 1, 4, 0)[:1],
+    }  # fmt: skip
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    proc = subprocess.run(
+        [str(vllm_python), str(ROOT / "files" / "benchmark" / "run_vllm_bench.py"),
+         str(tmp_path / "plan.json")],
+        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("bench: prose-c1: ")]
+    assert lines[0].startswith("bench: prose-c1: 0/1 requests"), proc.stdout
+    # the refused connection, named by its exception (a traceback's last line)
+    assert lines[1:] == [
+        "bench: prose-c1: a request failed: aiohttp.client_exceptions.ClientConnectorError: "
+        f"Cannot connect to host {plan['base_url'][7:]} ssl:default "
+        f"[Connect call failed ('127.0.0.1', {plan['base_url'].rsplit(':', 1)[1]})]"
+    ], proc.stdout
