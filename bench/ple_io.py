@@ -43,6 +43,7 @@ from handshake_bench import bench_handshake  # noqa: E402
 from ple_io_plots import write_plots  # noqa: E402
 from synthtable import ensure_table  # noqa: E402
 
+from harness import gather_steps  # noqa: E402
 from sparkple.runtime.gather import gather_rows  # noqa: E402
 from sparkple.runtime.prefetch import MECHANISMS, Prefetcher, plan_page_numbers  # noqa: E402
 from sparkple.runtime.table import PackedTable, open_table  # noqa: E402
@@ -134,7 +135,7 @@ def bench_decode_latency(table: PackedTable, tokens: int, reps: int, rng) -> dic
                     t0 = time.perf_counter()
                     if mode == "sparkple_worker":
                         seq += 1
-                        worker.submit_row_ids(seq, token[None])
+                        gather_steps.submit_row_ids(worker, seq, token[None])
                         worker.wait(seq)
                         lat[mode].append(time.perf_counter() - t0)
                         worker.release(seq)
@@ -147,7 +148,7 @@ def bench_decode_latency(table: PackedTable, tokens: int, reps: int, rng) -> dic
             for token in ids:
                 seq += 1
                 t0 = time.perf_counter()
-                worker.submit_row_ids(seq, token[None])
+                gather_steps.submit_row_ids(worker, seq, token[None])
                 worker.wait(seq)
                 lat["sparkple_warm"].append(time.perf_counter() - t0)
                 worker.release(seq)

@@ -1,17 +1,12 @@
-"""The gather worker: one thread that turns a step's tokens into staged PLE rows.
+"""The gather worker: one thread that turns a step's row ids into staged PLE rows.
 
 Producer side (the model runner, a layer ahead of the PLE layer):
-    worker.submit(seq, input_ids, query_start_loc, ngram_context)   # or submit_row_ids
-Consumer side (the PLE layer):
-    rows = worker.wait(seq)          # uint8[T, H, row_width] view of a staging slot
-    worker.upload(seq, rows, out)    # asynchronous copy into a device buffer (or decode(...))
-    worker.release(seq)              # the slot goes back; refilled once that copy completed
-
-A step may also be filled in pieces, each at its own token offset of the step's slot:
-    worker.open_step(seq)                      # reserve a slot
+    worker.open_step(seq)                      # reserve a staging slot
     worker.submit_pieces(seq, [(start, ids)])  # gathered by the thread, in the background
-    worker.gather_inline(seq, [(start, ids)])  # gathered now, on the calling thread
-    rows = worker.wait(seq, tokens)            # every background piece of seq is in
+Consumer side (the PLE layer):
+    rows = worker.wait(seq, tokens)  # uint8[T, H, row_width] view of the step's slot
+    worker.upload(seq, rows, out)    # asynchronous copy into a device buffer
+    worker.release(seq)              # the slot goes back; refilled once that copy completed
 
 A step whose last rows depend on a device sync is prepared before it, so that after it the
 gather and the upload are a few calls into views made before:
@@ -21,12 +16,13 @@ gather and the upload are a few calls into views made before:
     worker.gather_prepared(job)                   # one range check, the advice, the takes
     worker.wait_for(seq); worker.upload_prepared(upload); worker.release(seq)
 
-For each piece the thread computes the row ids (sparkple.runtime.ngram) where it was given tokens,
-prefetches their pages, gathers the rows into the step's staging slot and then publishes the
-piece's ticket through the handshake. A slot is handed out again only after the device copy
-that read it last has completed (a CUDA event per slot), so a copy the stream has not run yet
-is never overwritten. With asynchronous scheduling a runner has two steps in flight while it
-prepares a third: three slots never wait.
+For each piece the thread prefetches the pages of its rows, gathers the rows into the step's
+staging slot at the piece's token offset and then publishes the piece's ticket through the
+handshake. A slot is handed out again only after the device copy that read it last has
+completed (a CUDA event per slot), so a copy the stream has not run yet is never overwritten.
+With asynchronous scheduling a runner has two steps in flight while it prepares a third: three
+slots never wait. (The tests and benchmarks drive whole steps through harness/gather_steps.py,
+made of this API.)
 """
 
 from __future__ import annotations
@@ -44,7 +40,6 @@ from ..errors import HandshakeError
 from ..geometry import PLEGeometry
 from .gather import check_row_range, gather_rows
 from .handshake import DEFAULT_TIMEOUT_S, Publisher, SeqFlag, Waiter
-from .ngram import row_ids as compute_row_ids
 from .prefetch import Prefetcher, PrefetchStats
 from .table import check_expect
 from .tablemeta import geometry_fields
@@ -69,8 +64,7 @@ class _Step:
 class _Job:
     step: _Step
     ticket: int
-    pieces: list[tuple[int, np.ndarray]] | None = None  # (token offset, row ids [T, H])
-    tokens: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    pieces: list[tuple[int, np.ndarray]]  # (token offset, row ids [T, H])
 
 
 @dataclass
@@ -97,7 +91,7 @@ class Upload:
 
 @dataclass
 class StepInfo:
-    """What the worker did for one step (for metrics and benchmarks)."""
+    """What the thread did for one piece of a step (its error goes to the step's waiter)."""
 
     seq: int
     slot: int
@@ -192,33 +186,6 @@ class GatherWorker:
 
     # ---------------------------------------------------------------- producer side
 
-    def submit(
-        self,
-        seq: int,
-        input_ids: Any,
-        query_start_loc: Any,
-        ngram_context: Any,
-        *,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-    ) -> None:
-        """Queue step `seq`: tokens with their requests' boundaries and two context tokens."""
-        ids = np.array(input_ids, dtype=np.int64).reshape(-1)
-        tokens = (
-            ids,
-            np.array(query_start_loc, dtype=np.int64).reshape(-1),
-            np.array(ngram_context, dtype=np.int64),
-        )
-        self.open_step(seq, timeout_s=timeout_s, tokens=ids.shape[0])
-        self._queue(seq, tokens=tokens, end=ids.shape[0])
-
-    def submit_row_ids(
-        self, seq: int, row_ids: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S
-    ) -> None:
-        """Queue step `seq` with precomputed row ids int64[T, num_heads]."""
-        ids = self._checked_ids(row_ids)
-        self.open_step(seq, timeout_s=timeout_s, tokens=ids.shape[0])
-        self.submit_pieces(seq, [(0, ids)])
-
     def _checked_ids(self, row_ids: Any) -> np.ndarray:
         ids = np.asarray(row_ids, dtype=np.int64)
         if ids.ndim != 2 or ids.shape[1] != self.geometry.num_heads:
@@ -262,9 +229,9 @@ class GatherWorker:
         """Queue rows for the gather thread: each piece's row ids land at its token offset."""
         checked = [(int(start), self._checked_ids(ids)) for start, ids in pieces]
         end = max((start + ids.shape[0] for start, ids in checked), default=0)
-        self._queue(seq, pieces=checked, end=end)
+        self._queue(seq, checked, end)
 
-    def _queue(self, seq: int, *, end: int, **work: Any) -> None:
+    def _queue(self, seq: int, pieces: list[tuple[int, np.ndarray]], end: int) -> None:
         if end > self.max_tokens:
             self._count("staging_overruns")
             raise ValueError(
@@ -275,20 +242,8 @@ class GatherWorker:
             self._tickets += 1
             step.ticket = self._tickets
             step.tokens = max(step.tokens, end)
-            job = _Job(step, self._tickets, **work)
+            job = _Job(step, self._tickets, pieces)
         self._jobs.put(job)
-
-    def gather_inline(self, seq: int, pieces: list[tuple[int, Any]]) -> None:
-        """Gather rows now, on the calling thread (a decode step's few hundred rows gather in
-        less time than a hand-off to the thread takes)."""
-        checked = [(int(start), self._checked_ids(ids)) for start, ids in pieces]
-        checked = [(start, ids) for start, ids in checked if ids.shape[0]]
-        ids = np.concatenate([ids for _, ids in checked]) if checked else self._no_ids()
-        runs = [(start, ids.shape[0]) for start, ids in checked]
-        self.gather_prepared(self.prepare_inline(seq, ids, runs))
-
-    def _no_ids(self) -> np.ndarray:
-        return np.empty((0, self.geometry.num_heads), dtype=np.int64)
 
     def prepare_inline(
         self,
@@ -398,9 +353,6 @@ class GatherWorker:
             info = StepInfo(job.step.seq, job.step.slot, 0, None)
             try:
                 pieces = job.pieces
-                if pieces is None:
-                    assert job.tokens is not None
-                    pieces = [(0, compute_row_ids(*job.tokens, self.geometry))]
                 info.tokens = sum(ids.shape[0] for _, ids in pieces)
                 info.prefetch = self._gather(job.step.slot, pieces)
             except Exception as exc:  # handed to the consumer of this step
@@ -451,34 +403,6 @@ class GatherWorker:
             if errors:
                 raise errors[0]
         return step
-
-    def info(self, seq: int) -> StepInfo:
-        """What the thread did for step `seq`'s last background piece."""
-        with self._lock:
-            return self._done[self._step(seq).ticket]
-
-    def decode(
-        self, seq: int, rows: np.ndarray, device: Any = "cpu", dtype: Any = None
-    ) -> torch.Tensor:
-        """Copy a waited step's rows to `device` and decode them there: float[T, H, head_dim].
-
-        A CUDA copy from pinned staging is asynchronous; release(seq) waits for it to finish
-        before the slot can be refilled.
-        """
-        import torch
-
-        from .nvfp4 import dequantize_rows_torch
-
-        dtype = torch.float32 if dtype is None else dtype
-        host = torch.from_numpy(rows)
-        dev = torch.device(device)
-        packed = host.to(dev, non_blocking=self._pinned is not None)
-        if dev.type == "cuda":
-            self._copied(seq)
-        meta = self.table.meta
-        if meta.quant == "nvfp4":
-            return dequantize_rows_torch(packed, meta.global_scale, meta.head_dim, dtype=dtype)
-        return (packed.view(torch.float8_e4m3fn).float() * meta.global_scale).to(dtype)
 
     def upload(self, seq: int, rows: np.ndarray, out: torch.Tensor) -> None:
         """Copy a waited step's rows into out[:T] (a device buffer), asynchronously from pinned

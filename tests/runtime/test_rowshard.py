@@ -9,6 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from harness import gather_steps
 from sparkple.builder.build import build_table
 from sparkple.errors import ReleaseError, TableError
 from sparkple.runtime.gather import gather_rows
@@ -87,7 +88,7 @@ def test_a_ranks_prefetch_and_worker_advise_only_its_own_pages(table, built_tabl
     # exactly the pages of the owned ids were advised (what WILLNEED reads is the kernel's)
     assert log.advised() == plan_page_numbers(owned.select(ids), table.row_width).tolist()
     with GatherWorker(table, built_table.geometry, 512, owned=owned) as worker:
-        worker.submit_row_ids(1, step_ids(table, 400, seed=4))
+        gather_steps.submit_row_ids(worker, 1, step_ids(table, 400, seed=4))
         rows = worker.wait(1)
         assert (rows[~owned.mask(step_ids(table, 400, seed=4))] == 0).all()
         worker.release(1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from harness import gather_steps
 from sparkple.runtime.ngram import row_ids
 from sparkple.runtime.stepsplit import (
     DeviceRows,
@@ -92,7 +93,7 @@ def staged(worker, seq, split, step, geometry, prepared=True):
         rows.compute(source)
         worker.gather_prepared(job)
     elif plan is not None:
-        worker.gather_inline(seq, device_rows(plan, span, step["ctx"], geometry))
+        gather_steps.gather_inline(worker, seq, device_rows(plan, span, step["ctx"], geometry))
     rows = worker.wait(seq, 30, tokens=split.num_real).copy()
     worker.release(seq)
     return rows

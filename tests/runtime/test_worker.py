@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from skip_guard import skip_without_cuda
 
+from harness import gather_steps
 from sparkple.errors import HandshakeError, ProducerDied, TableError
 from sparkple.runtime.ngram import row_ids
 from sparkple.runtime.nvfp4 import dequantize_rows
@@ -60,9 +61,10 @@ def test_double_buffered_steps_equal_direct_reads(table, built_table):
         reqs = [random_request(rng, g, int(n)) for n in rng.integers(1, 200, rng.integers(1, 5))]
         batch = fresh_batch(reqs, g)
         steps.append((batch, table_rows(table, row_ids(*batch, g))))
-    with GatherWorker(table, g, max_tokens=1024, slots=2) as worker:
-        worker.submit(1, *steps[0][0])
-        worker.submit(2, *steps[1][0])
+    stats = PLEStats()
+    with GatherWorker(table, g, max_tokens=1024, slots=2, stats=stats) as worker:
+        gather_steps.submit_tokens(worker, 1, *steps[0][0])
+        gather_steps.submit_tokens(worker, 2, *steps[1][0])
         held = worker.wait(1, timeout_s=30)
         np.testing.assert_array_equal(held, steps[0][1])
         for seq in range(2, len(steps) + 1):
@@ -72,13 +74,13 @@ def test_double_buffered_steps_equal_direct_reads(table, built_table):
             np.testing.assert_array_equal(held, steps[seq - 2][1])  # not overwritten
             assert np.shares_memory(staged, worker.staging)
             assert not np.shares_memory(staged, held)
-            info = worker.info(seq)
-            assert info.prefetch is not None and info.prefetch.pages > 0
             worker.release(seq - 1)
             if seq + 1 <= len(steps):
-                worker.submit(seq + 1, *steps[seq][0])
+                gather_steps.submit_tokens(worker, seq + 1, *steps[seq][0])
             held = staged
         worker.release(len(steps))
+    counters = stats.snapshot()["counters"]  # the thread advised each step's pages
+    assert counters["prefetch_calls"] == len(steps) and counters["pages_prefetched"] > 0
 
 
 def test_chunked_prefill_with_contexts_equals_the_whole_sequence(table, built_table):
@@ -102,7 +104,7 @@ def test_chunked_prefill_with_contexts_equals_the_whole_sequence(table, built_ta
                 ctx.append(before)
             ids = np.concatenate(chunks)
             qsl = np.array([0, len(chunks[0]), len(ids)])
-            worker.submit(step + 1, ids, qsl, np.array(ctx))
+            gather_steps.submit_tokens(worker, step + 1, ids, qsl, np.array(ctx))
             staged = worker.wait(step + 1, timeout_s=30)
             got_a.append(staged[: len(chunks[0])].copy())
             got_b.append(staged[len(chunks[0]) :].copy())
@@ -121,7 +123,7 @@ def test_decode_steps_one_token_per_request(table, built_table):
         for pos in range(2, 30):
             ids = np.array([h[pos] for h in histories])
             ctx = np.array([h[pos - 2 : pos] for h in histories])
-            worker.submit(pos, ids, np.arange(4), ctx)
+            gather_steps.submit_tokens(worker, pos, ids, np.arange(4), ctx)
             staged = worker.wait(pos, timeout_s=30)
             for r in range(3):
                 np.testing.assert_array_equal(staged[r], whole[r][pos])
@@ -134,30 +136,30 @@ def test_row_ids_path_decode_and_errors(table, built_table):
     ids = rng.integers(0, table.total_rows, (33, H))
     ids[0] = table.total_rows - 1
     with GatherWorker(table, g, max_tokens=64, prefetch=Prefetcher(table)) as worker:
-        worker.submit_row_ids(1, ids)
+        gather_steps.submit_row_ids(worker, 1, ids)
         staged = worker.wait(1)
         want = table_rows(table, ids)
         np.testing.assert_array_equal(staged, want)
-        decoded = worker.decode(1, staged, "cpu")
+        decoded = gather_steps.decode(worker, 1, staged, "cpu")
         np.testing.assert_array_equal(
             decoded.numpy(), dequantize_rows(want, table.meta.global_scale, table.meta.head_dim)
         )
         worker.release(1)
         bad = ids.copy()
         bad[5, 3] = table.total_rows
-        worker.submit_row_ids(2, bad)
+        gather_steps.submit_row_ids(worker, 2, bad)
         with pytest.raises(TableError, match="outside the table"):
             worker.wait(2)
         worker.release(2)
-        worker.submit_row_ids(3, ids[:1])  # the worker carries on after a bad step
+        gather_steps.submit_row_ids(worker, 3, ids[:1])  # the worker carries on after a bad step
         np.testing.assert_array_equal(worker.wait(3), want[:1])
         worker.release(3)
         with pytest.raises(HandshakeError, match="increase"):
-            worker.submit_row_ids(3, ids)
+            gather_steps.submit_row_ids(worker, 3, ids)
         with pytest.raises(ValueError, match="max_tokens"):
-            worker.submit_row_ids(4, np.zeros((65, H), dtype=np.int64))
+            gather_steps.submit_row_ids(worker, 4, np.zeros((65, H), dtype=np.int64))
         with pytest.raises(ValueError, match=r"\[tokens, 16\]"):
-            worker.submit_row_ids(4, np.zeros((2, 8), dtype=np.int64))
+            gather_steps.submit_row_ids(worker, 4, np.zeros((2, 8), dtype=np.int64))
         with pytest.raises(HandshakeError, match="not held"):
             worker.release(3)
 
@@ -165,13 +167,13 @@ def test_row_ids_path_decode_and_errors(table, built_table):
 def test_unreleased_slots_block_then_fail_clearly(table, built_table):
     with GatherWorker(table, built_table.geometry, max_tokens=4, slots=2) as worker:
         one = np.zeros((1, H), dtype=np.int64)
-        worker.submit_row_ids(1, one)
-        worker.submit_row_ids(2, one)
+        gather_steps.submit_row_ids(worker, 1, one)
+        gather_steps.submit_row_ids(worker, 2, one)
         with pytest.raises(HandshakeError, match=r"no free staging slot.*\[1, 2\]"):
-            worker.submit_row_ids(3, one, timeout_s=0.2)
+            gather_steps.submit_row_ids(worker, 3, one, timeout_s=0.2)
         worker.wait(1)
         worker.release(1)
-        worker.submit_row_ids(3, one + 7, timeout_s=1)
+        gather_steps.submit_row_ids(worker, 3, one + 7, timeout_s=1)
         np.testing.assert_array_equal(worker.wait(2)[0], table_rows(table, one)[0])
         np.testing.assert_array_equal(worker.wait(3)[0], table_rows(table, one + 7)[0])
 
@@ -195,7 +197,7 @@ class _Crash(Prefetcher):
 def test_a_dead_worker_thread_is_reported_long_before_the_timeout(table, built_table):
     worker = GatherWorker(table, built_table.geometry, max_tokens=4, prefetch=_Crash(table))
     try:
-        worker.submit_row_ids(1, np.zeros((1, H), dtype=np.int64))
+        gather_steps.submit_row_ids(worker, 1, np.zeros((1, H), dtype=np.int64))
         t0 = time.perf_counter()
         with pytest.raises(ProducerDied, match="is gone"):
             worker.wait(1, timeout_s=60)
@@ -214,7 +216,7 @@ def test_staging_is_host_memory_inside_another_device_context(table, built_table
         worker = GatherWorker(table, built_table.geometry, max_tokens=8, pin_memory=True)
     with worker:
         assert worker.staging.ctypes.data != 0
-        worker.submit_row_ids(1, ids)
+        gather_steps.submit_row_ids(worker, 1, ids)
         staged = worker.wait(1)
         out = torch.zeros((8, H, table.row_width), dtype=torch.uint8)
         worker.upload(1, staged, out)
@@ -228,7 +230,7 @@ def test_upload_fills_the_head_of_a_persistent_buffer(table, built_table):
     out = torch.full((16, H, table.row_width), 7, dtype=torch.uint8)
     address = out.data_ptr()
     with GatherWorker(table, built_table.geometry, max_tokens=16) as worker:
-        worker.submit_row_ids(1, ids)
+        gather_steps.submit_row_ids(worker, 1, ids)
         worker.upload(1, worker.wait(1), out)
         worker.release(1)
     assert out.data_ptr() == address  # written in place: a captured graph reads this address
@@ -289,9 +291,9 @@ def test_pinned_staging_and_cuda_decode(table, built_table):
     skip_without_cuda()
     ids = np.random.default_rng(4).integers(0, table.total_rows, (64, H))
     with GatherWorker(table, built_table.geometry, max_tokens=64, pin_memory=True) as worker:
-        worker.submit_row_ids(1, ids)
+        gather_steps.submit_row_ids(worker, 1, ids)
         staged = worker.wait(1)
-        on_gpu = worker.decode(1, staged, "cuda")
+        on_gpu = gather_steps.decode(worker, 1, staged, "cuda")
         want = dequantize_rows(table_rows(table, ids), table.meta.global_scale)
         worker.release(1)  # waits for the async copy before the slot can be reused
         np.testing.assert_array_equal(on_gpu.cpu().numpy(), want)
@@ -305,12 +307,12 @@ def test_worker_records_the_ple_counters_the_metrics_export(table, built_table, 
         tokens = 0
         for seq in (1, 2, 3):
             batch = fresh_batch([random_request(rng, g, 40)], g)
-            worker.submit(seq, *batch)
+            gather_steps.submit_tokens(worker, seq, *batch)
             worker.wait(seq, timeout_s=30)
             worker.release(seq)
             tokens += 40
         with pytest.raises(ValueError, match="staging holds 64"):
-            worker.submit(4, *fresh_batch([random_request(rng, g, 65)], g))
+            gather_steps.submit_tokens(worker, 4, *fresh_batch([random_request(rng, g, 65)], g))
     writer = StatsFile(tmp_path, stats)
     writer.write()
     written = parse(writer.path.read_text())
