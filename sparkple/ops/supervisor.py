@@ -43,11 +43,20 @@ from ..atomicfile import write_text
 from .drain import drain_command, drain_options
 from .host import service_options, table_device
 from .maintenance import relaunch
-from .pairing import make_supervisor
+from .pair_head import PairLeader
+from .pair_worker import PairFollower
 from .pairlink import parse_listen, read_key
 from .shm import DEFAULT_PATTERNS
 from .state import ROLLBACK, iso, locked, manual_stop_path, write_marker
 from .status import state_options, status
+from .supervision import Supervisor
+
+
+def make_supervisor(args: argparse.Namespace) -> Supervisor:
+    """The single Spark's supervisor, or a pair node's (--pair-rank 0: leads; 1: follows)."""
+    if getattr(args, "pair_rank", None) is None:
+        return Supervisor(args)
+    return PairLeader(args) if args.pair_rank == 0 else PairFollower(args)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

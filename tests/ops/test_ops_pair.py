@@ -329,7 +329,10 @@ def test_pair_flags_are_checked():
 
 
 def test_every_state_the_pair_supervisors_write_has_a_gauge():
-    source = (ROOT / "sparkple" / "ops" / "pairing.py").read_text()
+    source = "".join(
+        (ROOT / "sparkple" / "ops" / name).read_text()
+        for name in ("pairing.py", "pair_head.py", "pair_worker.py")
+    )
     written = set(re.findall(r"""(?:state=|"state": |\["state"\] = )"([a-z-]+)\"""", source))
     assert {"standby", "launched", "starting"} <= written
     assert written <= set(SUPERVISOR_STATES)
