@@ -60,7 +60,7 @@ def gather_inline(worker: GatherWorker, seq: int, pieces: list[tuple[int, Any]])
     heads = worker.geometry.num_heads
     ids = np.concatenate([a for _, a in arrays]) if arrays else np.empty((0, heads), np.int64)
     runs = [(start, len(a)) for start, a in arrays]
-    worker.gather_prepared(worker.prepare_inline(seq, np.ascontiguousarray(ids), runs))
+    worker.gather_prepared(worker.prepare_inline(seq, ids, runs))
 
 
 def decode(

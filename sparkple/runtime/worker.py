@@ -40,7 +40,7 @@ from ..errors import HandshakeError
 from ..geometry import PLEGeometry
 from .gather import check_row_range, gather_rows
 from .handshake import DEFAULT_TIMEOUT_S, Publisher, SeqFlag, Waiter
-from .prefetch import Prefetcher, PrefetchStats
+from .prefetch import Prefetcher
 from .table import check_expect
 from .tablemeta import geometry_fields
 
@@ -87,17 +87,6 @@ class Upload:
     host: torch.Tensor  # the staging slot's first rows
     device: torch.Tensor  # as many rows of the device buffer
     cuda: bool
-
-
-@dataclass
-class StepInfo:
-    """What the thread did for one piece of a step (its error goes to the step's waiter)."""
-
-    seq: int
-    slot: int
-    tokens: int
-    prefetch: PrefetchStats | None
-    error: BaseException | None = None
 
 
 def host_tensor(shape: tuple[int, ...], dtype: str, *, pin: bool) -> torch.Tensor:
@@ -171,7 +160,7 @@ class GatherWorker:
         self._lock = threading.Condition()
         self._free = list(range(slots))
         self._held: dict[int, _Step] = {}  # seq -> step, from submit until release
-        self._done: dict[int, StepInfo] = {}  # ticket -> what the thread did
+        self._failed: dict[int, Exception] = {}  # seq -> the first error of its pieces
         # slot -> CUDA event of the last device copy that read it (None: nothing in flight)
         self._slot_events: list[Any] = [None] * slots
         self._prefetch_lock = threading.Lock()  # the prefetcher is used from two threads
@@ -324,41 +313,35 @@ class GatherWorker:
             raise HandshakeError(f"step {seq} was never submitted or is already released")
         return step
 
-    def _prefetch(self, ids: np.ndarray) -> PrefetchStats | None:
+    def _prefetch(self, ids: np.ndarray) -> None:
         if self.prefetcher is None:
-            return None
+            return
         with self._prefetch_lock:
             stats = self.prefetcher.prefetch(ids)
         self._count("prefetch_calls")
         self._count("pages_prefetched", stats.issued_pages)
-        return stats
 
-    def _gather(self, slot: int, pieces: list[tuple[int, np.ndarray]]) -> PrefetchStats | None:
+    def _gather(self, slot: int, pieces: list[tuple[int, np.ndarray]]) -> None:
         pieces = [(start, ids) for start, ids in pieces if ids.shape[0]]
         if not pieces:
-            return None
-        advised = self._prefetch(np.concatenate([ids.reshape(-1) for _, ids in pieces]))
+            return
+        self._prefetch(np.concatenate([ids.reshape(-1) for _, ids in pieces]))
         for start, ids in pieces:
             staged = self.staging[slot, start : start + ids.shape[0]]
             gather_rows(self.table.rows, ids, staged, self.owned)
             read = ids.size if self.owned is None else int(self.owned.mask(ids).sum())
             self._count("rows_gathered", read)  # a rank counts the rows it read, not its zeros
         self._count("gather_calls")
-        return advised
 
     def _run(self) -> None:
         self._publisher = Publisher(self._flag)  # this thread is the producer waiters watch
         self._ready.set()
         while (job := self._jobs.get()) is not None:
-            info = StepInfo(job.step.seq, job.step.slot, 0, None)
             try:
-                pieces = job.pieces
-                info.tokens = sum(ids.shape[0] for _, ids in pieces)
-                info.prefetch = self._gather(job.step.slot, pieces)
+                self._gather(job.step.slot, job.pieces)
             except Exception as exc:  # handed to the consumer of this step
-                info.error = exc
-            with self._lock:
-                self._done[job.ticket] = info
+                with self._lock:
+                    self._failed.setdefault(job.step.seq, exc)
             self._publisher.publish(job.ticket)
         self._publisher.close()
 
@@ -395,13 +378,9 @@ class GatherWorker:
                 self.stats.observe_wait(time.monotonic() - started)
             with self._lock:
                 # the thread runs jobs in order: every earlier ticket of this step is done too
-                errors = [
-                    info.error
-                    for info in self._done.values()
-                    if info.seq == seq and info.error is not None
-                ]
-            if errors:
-                raise errors[0]
+                error = self._failed.get(seq)
+            if error is not None:
+                raise error
         return step
 
     def upload(self, seq: int, rows: np.ndarray, out: torch.Tensor) -> None:
@@ -453,8 +432,7 @@ class GatherWorker:
             step = self._held.pop(seq, None)
             if step is None:
                 raise HandshakeError(f"release({seq}): step {seq} is not held")
-            for ticket in [t for t, info in self._done.items() if info.seq == seq]:
-                del self._done[ticket]
+            self._failed.pop(seq, None)
             self._free.append(step.slot)
             self._lock.notify_all()
 
