@@ -66,6 +66,9 @@ def run(cmd: list[str], cwd: Path, ci: str | None) -> subprocess.CompletedProces
     if ci is not None:
         env["CI"] = ci
     env["PYTHONPATH"] = f"{ROOT / 'tests'}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    # the installed third-party plugins are not what is tested, and loading them (hypothesis's
+    # above all) took most of each small run's 1.7 CPU-s
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
