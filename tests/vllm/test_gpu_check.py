@@ -341,6 +341,7 @@ def test_bundle_runs_on_the_simulated_offline_gpu_machine(
     assert_honest_checks(graph)
     assert_timed_shapes(graph, TIMED_SHAPES)
     assert "\n".join(graph["summary"]) in proc.stdout
+    assert "all checks passed" in graph["summary"][0]
     # the host-split check up to its first CUDA call: the step shapes run through vLLM's model
     # state; a prompt chunk alone does not wait for the device, the others do, and every
     # shape's rows equal stock's (whether the host step waited is seen through its wait)
