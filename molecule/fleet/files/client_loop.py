@@ -3,8 +3,10 @@
 --clients threads each send one streaming completion after the other (`"stream": true`, as a
 chat client does; the lab server takes SPARKPLE_LAB_TOKEN_DELAY_S per token, so each lasts
 seconds; the clients ask for four different lengths, so that a server's streams end apart).
-Meanwhile one thread reads the gateway's server states (`--gateway-show`, e.g. `sparkple-gateway
-show`) every --poll-s, to know when each server was drained.
+Meanwhile one thread reads the gateway's server states from HAProxy's admin socket
+(`--gateway-socket`, `show stat`, the command `sparkple-gateway show` reads) every --poll-s
+(20 times a second by default, so that a drain is seen within 50 ms: a request that ended
+between the drain and a later poll would not count as in flight across it).
 
 Stops at --max-requests, at --max-seconds, or when --stop-file appears, whichever comes first,
 and records which. Writes to --out as JSON: requests sent, ok, failed (with the first
@@ -17,10 +19,12 @@ draining and ended after.
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import json
 import os
-import shlex
-import subprocess
+import socket
+import ssl
 import threading
 import time
 import urllib.error
@@ -40,6 +44,8 @@ class Load:
         self.start = time.time()
         # each change of a server's status the gateway showed, with the polls around it
         self.changes: list[dict[str, Any]] = []
+        # an https URL is verified against --ca-file (the gateway's CA)
+        self.tls = ssl.create_default_context(cafile=args.ca_file) if args.ca_file else None
 
     def should_stop(self) -> bool:
         """Decide (once) whether to stop, and why; every thread asks before a new request."""
@@ -78,7 +84,7 @@ class Load:
         )
         finish, done_seen = None, False
         try:
-            with urllib.request.urlopen(req, timeout=60) as resp:
+            with urllib.request.urlopen(req, timeout=60, context=self.tls) as resp:
                 record["server"] = resp.headers.get("X-Sparkple-Server", "?")
                 for raw in resp:
                     line = raw.decode().strip()
@@ -106,18 +112,31 @@ class Load:
         record["end"] = time.time()
         return record
 
+    def server_states(self) -> dict[str, str]:
+        """Each server of the backend and its status, from HAProxy's `show stat`."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(self.args.gateway_socket)
+            s.sendall(b"show stat\n")
+            text = b"".join(iter(lambda: s.recv(65536), b"")).decode()
+        rows = csv.DictReader(io.StringIO(text.lstrip("# ")))
+        return {
+            r["svname"]: r["status"]
+            for r in rows
+            if r.get("pxname") == self.args.gateway_backend
+            and r.get("svname") not in ("FRONTEND", "BACKEND")
+        }
+
     def watch_gateway(self) -> None:
-        cmd = shlex.split(self.args.gateway_show)
         last: dict[str, tuple[float, str]] = {}  # per server: the last poll's time and status
         while not self.stop_reason or self.in_flight:
             now = time.time()
             try:
-                rows = json.loads(subprocess.run(cmd, capture_output=True, check=True).stdout)
-            except (OSError, ValueError, subprocess.CalledProcessError):
-                rows = []
+                states = self.server_states()
+            except (OSError, ValueError, KeyError):
+                states = {}
             with self.lock:
-                for row in rows:
-                    server, status = row["server"], row["status"]
+                for server, status in states.items():
                     before = last.get(server)
                     if before is not None and before[1] != status:
                         # the change happened between the two polls
@@ -196,6 +215,7 @@ class Load:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", required=True)
+    p.add_argument("--ca-file", help="CA certificates to verify an https URL with")
     p.add_argument("--model", required=True, help="the served model name")
     p.add_argument("--clients", type=int, default=4, help="concurrent streaming clients")
     p.add_argument("--max-tokens", type=int, default=24, help="the shortest client's tokens")
@@ -203,8 +223,9 @@ def main() -> int:
     p.add_argument("--max-seconds", type=float, required=True)
     p.add_argument("--stop-file", required=True)
     p.add_argument("--ready-file", required=True, help="written once the load is steady")
-    p.add_argument("--gateway-show", required=True, help="command printing the servers' JSON")
-    p.add_argument("--poll-s", type=float, default=0.5)
+    p.add_argument("--gateway-socket", required=True, help="HAProxy's admin socket")
+    p.add_argument("--gateway-backend", required=True, help="the backend of the Sparks")
+    p.add_argument("--poll-s", type=float, default=0.05)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     load = Load(args)
