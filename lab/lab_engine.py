@@ -127,6 +127,10 @@ class Engine:
 
 class EngineServer(socketserver.ThreadingUnixStreamServer):
     daemon_threads = True
+    # socketserver's default backlog is 5: a Unix socket whose backlog is full refuses a
+    # connect at once (EAGAIN, the front's timeout makes it non-blocking), which the front
+    # answers 503; eight benchmark streams beside the gateway's checks on a loaded machine filled it
+    request_queue_size = 128
 
     def __init__(self, path: str, engine: Engine, token_delay_s: float) -> None:
         self.engine = engine
