@@ -104,6 +104,7 @@ class Engine:
         tokens = [b % g.vocab_size for b in prompt.encode("utf-8")] or [g.eos_token_id]
         ctx = np.full((1, g.ngram_size - 1), g.eos_token_id, dtype=np.int64)
         staging = np.empty((1, g.num_heads, meta.row_width), dtype=np.uint8)
+        paced = time.monotonic()
         for _ in range(max_tokens):
             if self.dead:  # the step would need the other node
                 raise SparkpleError(self.dead)
@@ -120,7 +121,10 @@ class Engine:
                 values = staging.astype(np.float32)
             nxt = 32 + int(abs(float(values.sum())) * 1000) % 95  # a printable byte
             if token_delay_s > 0:
-                time.sleep(token_delay_s)  # the time a real decode step takes
+                # a real decode step's time, paced from the start (the step's own work inside
+                # it): a loaded machine slows the lab's tokens only where that work outgrows it
+                paced += token_delay_s
+                time.sleep(max(paced - time.monotonic(), 0.0))
             tokens.append(nxt)
             yield nxt
 

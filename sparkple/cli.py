@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "pair-transport": "sparkple.serving.linkcli",
     "pair-check": "sparkple.serving.paircheck",
     "bench": "sparkple.serving.benchmark",
+    "speed-gate": "sparkple.serving.speedgate",
     "snapshot-manifest": "sparkple.manifest",
     "synth-checkpoint": "sparkple.builder.synth",
     "build-table": "sparkple.builder.tablecli",

@@ -9,14 +9,12 @@ import json
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from ansible_local import ansible_playbook
-from lab_inputs import free_port, patched_site
+from lab_inputs import free_port, lab_server
 
 from harness import wheel_cache
 from sparkple.builder.build import build_table
@@ -92,40 +90,17 @@ def vllm_python() -> Path:
 
 @pytest.fixture(scope="module")
 def lab_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, int]]:
-    """A lab server on this machine's loopback serving a synthetic checkpoint (with the
-    byte-level tokenizer synth-checkpoint writes): (its model directory, its port)."""
+    """A lab server on this machine serving a synthetic checkpoint (with the byte-level
+    tokenizer synth-checkpoint writes): (its model directory, its port)."""
     root = tmp_path_factory.mktemp("bench-lab")
     snap = synth_checkpoint(root / "snap", vocab_base=2048, files=1, seed=3)
     build_table(snap, root / "table", quiet=True)
-    site, patches = patched_site(root)
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{site}",
-           "SPARKPLE_PLE_TABLE_DIR": str(root / "table"), "SPARKPLE_PATCH_DIR": str(patches),
-           "SPARKPLE_LAB_TOKEN_DELAY_S": "0.01"}  # fmt: skip
-    argv = [sys.executable, str(ROOT / "lab" / "lab_server.py"), "--model", str(snap),
-            "--port", str(port), f"--served-model-name={MODEL}", "--max-num-seqs=4",
-            # the controller's runner reaches the "Spark" at its address, as in the lab
-            "--host", "0.0.0.0"]  # fmt: skip
-    with open(root / "server.log", "wb") as log:
-        server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if server.poll() is not None:
-                pytest.fail((root / "server.log").read_text())
-            time.sleep(0.1)
+    # the controller's runner reaches the "Spark" at its address, as in the lab
+    args = [f"--served-model-name={MODEL}", "--max-num-seqs=4", "--host", "0.0.0.0"]
+    with lab_server(
+        root, snap, root / "table", args, {"SPARKPLE_LAB_TOKEN_DELAY_S": "0.01"}
+    ) as port:
         yield snap, port
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.kill()
 
 
 def test_the_playbook_runs_vllms_benchmark_and_keeps_the_record_and_the_table(
