@@ -343,10 +343,9 @@ def inner(args: argparse.Namespace) -> int:
 
 
 def patched_host_step(state) -> Any:
-    from importlib import import_module
+    from sparkple.vllm.host_step import host_step_of  # imports vLLM: only in the inner run
 
-    module = import_module("vllm.models.qwen4_exp.common.ple_mmap_embedding")
-    return module.host_step_of(state.model)
+    return host_step_of(state.model)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,9 +33,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-PATCHED_PACKAGES = ("vllm.models.qwen4_exp.nvidia", "vllm.models.qwen4_exp.common")
+from harness.lay_over import lay_over_packages, load_loader_filter
+
 CUDA_PLATFORM = "vllm.platforms.cuda"
-LOADER_FILTER = "vllm.model_executor.model_loader.ep_weight_filter"
 MODULES = (
     "vllm.models.qwen4_exp.nvidia.ngram_embedding",
     "vllm.models.qwen4_exp.nvidia.model_state",
@@ -54,15 +54,8 @@ CUDA_CHECK_MODULES = ("sparkple.runtime.nvfp4_triton", "harness.ple_equivalence"
 
 def lay_over(rendered: Path) -> None:
     """The rendered files first on the packages' paths, the loader filter from its file."""
-    path = rendered / "model_executor" / "model_loader" / "ep_weight_filter.py"
-    spec = importlib.util.spec_from_file_location(LOADER_FILTER, path)
-    assert spec is not None and spec.loader is not None  # a .py file's spec has a loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[LOADER_FILTER] = module
-    spec.loader.exec_module(module)
-    for package in PATCHED_PACKAGES:
-        sub = package.split(".", 1)[1].replace(".", "/")
-        importlib.import_module(package).__path__.insert(0, str(rendered / sub))
+    load_loader_filter(rendered)
+    lay_over_packages(rendered)
 
 
 def normalized(name: str) -> str:

@@ -7,7 +7,9 @@
   ple_layer (vLLM's set-up, the layer built from a checkpoint, its rows), ple_steps (the V2
   runner's steps and their schedule) and ple_faults (failures, host checks, refusals);
 - gpu_graph_check and gpu_host_split: the GPU check's CUDA-graph check and host-step split,
-  each with a CPU smoke mode that the tests run.
+  each with a CPU smoke mode that the tests run;
+- lay_over: the rendered patch laid over vLLM in a process (standard library only: the GPU
+  check's import smoke test uses it too).
 
 The scripts run inside the vLLM venv with the checkout's root on PYTHONPATH, and import each
 other as `harness.*`.

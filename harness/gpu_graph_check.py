@@ -398,7 +398,7 @@ def main() -> int:
         embedding = layer.ngram_embedding
         result["patched_backend"] = type(embedding).__name__
         result["staging_pinned"] = bool(embedding._worker._pinned is not None)
-        result["host_inputs_pinned"] = all(t.is_pinned() for t in embedding._host_inputs)
+        result["host_inputs_pinned"] = all(t.is_pinned() for t in embedding._inputs.all)
         state = model_state(state_module, torch.nn.ModuleList([layer]), config)
         runner = Runner(state, MAX_MODEL_LEN)
         rng = np.random.default_rng(5)

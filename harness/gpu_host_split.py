@@ -132,9 +132,7 @@ def main() -> int:
         layer, _ = ple.build(patched, config, snapshot, prefix, dtype)
         model = torch.nn.ModuleList([layer])
         state = ple.model_state(state_module, model, config)
-        host = importlib.import_module(
-            "vllm.models.qwen4_exp.common.ple_mmap_embedding"
-        ).host_step_of(model)
+        host = importlib.import_module("sparkple.vllm.host_step").host_step_of(model)
         device = DeviceWait(host)
         for name, scheduled, drafts in SHAPES:
             times, waited, right = [], [], []

@@ -136,7 +136,7 @@ def compare(stock_module, patched, state_module, snapshot: Path, table_dir: Path
         )
     meta = meta_layer.ngram_embedding
     result["meta_device_buffers"] = sorted({b.device.type for b in meta.buffers()})
-    host = [*meta._host_inputs, torch.from_numpy(meta._worker.staging)]
+    host = [*meta._inputs.all, torch.from_numpy(meta._worker.staging)]
     result["meta_host_buffers"] = sorted({t.device.type for t in host})
     meta.close()
 

@@ -80,7 +80,8 @@ def failures(patched, state_module, snapshot: Path, table_dir: Path) -> dict:
     return seen
 
 
-BACKEND_MODULE = "vllm.models.qwen4_exp.common.ple_mmap_embedding"
+# where the host step reads HOST_PROBES at each step
+SETTINGS_MODULE = "sparkple.vllm.settings"
 
 
 def host_checks(stock_module, patched, state_module, snapshot: Path, table_dir: Path) -> dict:
@@ -102,7 +103,7 @@ def host_checks(stock_module, patched, state_module, snapshot: Path, table_dir: 
     eos, vocab = int(config.eos_token_id), int(config.vocab_size)
     os.environ.pop("SPARKPLE_PLE_TABLE_DIR", None)
     stock, _ = build(stock_module, config, snapshot, prefix, torch.float32)
-    backend: Any = importlib.import_module(BACKEND_MODULE)  # its HOST_PROBES is set below
+    backend: Any = importlib.import_module(SETTINGS_MODULE)  # its HOST_PROBES is set below
     probes = backend.HOST_PROBES
 
     def run(steps, requests, probes_on: bool = True) -> dict:

@@ -21,6 +21,8 @@ from unittest import mock
 import numpy as np
 import torch
 
+from harness.lay_over import LOADER_FILTER, lay_over_packages, load_loader_filter
+
 # a step's most tokens (bench/host_step.py sets its own before the first request_states)
 MAX_TOKENS = 512
 PLE_DECODER_LAYER = 1  # ple_layer_ids [2] is one-based
@@ -29,7 +31,6 @@ DEVICE = torch.device(sys.argv[1])
 NGRAM_MODULE = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
 STATE_MODULE = "vllm.models.qwen4_exp.nvidia.model_state"
 COMMON_MODULE = "vllm.models.qwen4_exp.common.ngram_embedding"
-LOADER_FILTER = "vllm.model_executor.model_loader.ep_weight_filter"
 MAX_REQS = 8
 MAX_MODEL_LEN = 1024
 
@@ -252,20 +253,13 @@ def seed_loader_filter(rendered: Path) -> None:
     container's bind mount lays it over the image's file before the server starts)."""
     if LOADER_FILTER in sys.modules:
         raise RuntimeError(f"{LOADER_FILTER} was imported before the patch was laid over it")
-    path = rendered / "model_executor" / "model_loader" / "ep_weight_filter.py"
-    spec = importlib.util.spec_from_file_location(LOADER_FILTER, path)
-    assert spec is not None and spec.loader is not None  # a .py file's spec has a loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[LOADER_FILTER] = module
-    spec.loader.exec_module(module)
+    load_loader_filter(rendered)
 
 
 def patched_modules(rendered: Path):
     """The patched n-gram and model-state modules, laid over the package as the mounts do
     (the patched common module too: its quant methods run the table's check at load)."""
-    for package in ("vllm.models.qwen4_exp.nvidia", "vllm.models.qwen4_exp.common"):
-        sub = package.split(".", 1)[1].replace(".", "/")
-        importlib.import_module(package).__path__.insert(0, str(rendered / sub))
+    lay_over_packages(rendered)
     for name in (NGRAM_MODULE, STATE_MODULE, COMMON_MODULE):
         sys.modules.pop(name, None)
     return importlib.import_module(NGRAM_MODULE), importlib.import_module(STATE_MODULE)

@@ -101,11 +101,6 @@ def host_tensor(shape: tuple[int, ...], dtype: str, *, pin: bool) -> torch.Tenso
     return torch.zeros(shape, dtype=getattr(torch, dtype), device="cpu", pin_memory=pin)
 
 
-def check_geometry(table: PackedTable, geometry: PLEGeometry) -> None:
-    """The table must be the one built for this model's PLE geometry (TableError otherwise)."""
-    check_expect(table.meta, geometry_fields(geometry), table.table_dir)
-
-
 class GatherWorker:
     """A gather thread with `slots` staging buffers of max_tokens x heads x row_width bytes.
 
@@ -133,7 +128,8 @@ class GatherWorker:
     ) -> None:
         if max_tokens < 1 or slots < 1:
             raise ValueError(f"max_tokens ({max_tokens}) and slots ({slots}) must be >= 1")
-        check_geometry(table, geometry)
+        # the table must be the one built for this model's PLE geometry (TableError otherwise)
+        check_expect(table.meta, geometry_fields(geometry), table.table_dir)
         self.table = table
         self.geometry = geometry
         self.max_tokens = max_tokens
@@ -291,10 +287,11 @@ class GatherWorker:
                 for run, staged in job.takes:
                     # mode="clip" (ids are checked above): "raise" would buffer the output
                     np.take(rows, run, axis=0, out=staged, mode="clip")
-                counts = {"gather_calls": 1, "rows_gathered": int(ids.size)}
-                if issued is not None:
-                    counts.update(prefetch_calls=1, pages_prefetched=issued)
-                self._count_all(counts)
+                if self.stats is not None:
+                    counts = {"gather_calls": 1, "rows_gathered": int(ids.size)}
+                    if issued is not None:
+                        counts.update(prefetch_calls=1, pages_prefetched=issued)
+                    self.stats.add_all(counts)
         with self._lock:
             job.step.tokens = max(job.step.tokens, job.end)
 
@@ -348,10 +345,6 @@ class GatherWorker:
     def _count(self, name: str, amount: int = 1) -> None:
         if self.stats is not None:
             self.stats.add(name, amount)
-
-    def _count_all(self, amounts: dict[str, int]) -> None:
-        if self.stats is not None:
-            self.stats.add_all(amounts)
 
     # ---------------------------------------------------------------- consumer side
 

@@ -7,6 +7,7 @@ subpackages, and each layer imports only what the Python that runs it has.
   serving/        the serving plan: the base and the builder's safetensors header reader
   ops/            the host programs: the base and the runtime's stats and table metadata
   patch/          the patch engine: the base
+  vllm/           the vLLM 0.33 adapter in the serving process: the base and the runtime
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "sparkple"
-SUBPACKAGES = ("builder", "ops", "patch", "runtime", "serving")
+SUBPACKAGES = ("builder", "ops", "patch", "runtime", "serving", "vllm")
 BASE = ""
 # layer -> the layers it may import (besides itself)
 ALLOWED: dict[str, set[str]] = {
@@ -29,6 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "serving": {BASE, "builder"},
     "ops": {BASE, "runtime"},
     "patch": {BASE},
+    "vllm": {BASE, "runtime"},
 }
 # layer -> the third-party packages its modules may import (anywhere in them); the runtime's
 # torch and triton are imported where a step needs them, never by `sparkple build-table`
@@ -42,6 +44,8 @@ THIRD_PARTY: dict[str, set[str]] = {
     "serving": {"torch", "matplotlib"},
     "ops": set(),
     "patch": {"jinja2", "yaml"},
+    # the serving process's: vLLM and its torch
+    "vllm": {"numpy", "torch", "vllm"},
 }
 
 

@@ -102,8 +102,8 @@ def test_variables_are_rendered_and_validated(originals: Path, tmp_path: Path) -
         {"lookahead_mib": "64", "staging_slots": "2"},
     )
     added = (out / ADDED).read_text()
-    assert "LOOKAHEAD_BYTES = 64 * 2**20\n" in added
-    assert "STAGING_SLOTS = 2\n" in added
+    assert "    lookahead_bytes = 64 * 2**20\n" in added
+    assert "    staging_slots = 2\n" in added
     # the step timeout is the serving unit's SPARKPLE_PLE_STEP_TIMEOUT alone, and the prefetch
     # runs before every gather: no render knob for either
     bad = {
@@ -237,7 +237,7 @@ def test_cli_exit_codes(originals: Path, tmp_path: Path, capsys: pytest.CaptureF
     out = tmp_path / "out"
     args = ["patch", "render", "--profile", PROFILE, "--originals", str(originals)]
     assert main([*args, "--out", str(out), "--var", "staging_slots=3"]) == 0
-    assert "STAGING_SLOTS = 3\n" in (out / ADDED).read_text()
+    assert "    staging_slots = 3\n" in (out / ADDED).read_text()
     assert main(["patch", "check", str(out)]) == 0
     (out / TARGET).write_text((out / TARGET).read_text() + "\n")
     assert main(["patch", "check", str(out)]) == 1
