@@ -31,7 +31,7 @@ def turn(args: argparse.Namespace, tls: ssl.SSLContext, session: str) -> str:
     req = urllib.request.Request(args.url, data=body, headers=headers)
     with urllib.request.urlopen(req, timeout=60, context=tls) as resp:
         resp.read()
-        return resp.headers.get("X-Sparkple-Server", "?")
+        return str(resp.headers.get("X-Sparkple-Server", "?"))
 
 
 def conversations(

@@ -23,6 +23,7 @@ import json
 import socket
 import sys
 import time
+from collections.abc import Callable
 
 ERR = sys.stderr
 # Seconds HAProxy gets to show an admin state it was told to take (it takes it at once).
@@ -68,7 +69,13 @@ def summary(row: dict[str, str]) -> dict[str, object]:
     return out
 
 
-def wait_for(sock_path: str, backend: str, host: str, done, timeout: float) -> dict[str, object]:
+def wait_for(
+    sock_path: str,
+    backend: str,
+    host: str,
+    done: Callable[[dict[str, object]], bool],
+    timeout: float,
+) -> dict[str, object]:
     deadline = time.monotonic() + timeout
     while True:
         row = summary(servers(sock_path, backend)[host])
@@ -115,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.socket,
                 args.backend,
                 args.host,
-                lambda r: not r["status"].startswith("UP"),
+                lambda r: not str(r["status"]).startswith("UP"),
                 limit,
             )
         elif args.action == "maint":
@@ -124,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.socket,
                 args.backend,
                 args.host,
-                lambda r: r["status"].startswith("MAINT"),
+                lambda r: str(r["status"]).startswith("MAINT"),
                 limit,
             )
         else:
