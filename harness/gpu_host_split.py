@@ -8,7 +8,7 @@ chunk beside decoding requests), once on a device kept busy long enough to see w
 step waited for it (the stream is idle when it returns, or still busy) and with its rows
 against stock vLLM's, then the host step's seconds before the device sync, waiting for it and
 after it (the patch's HostStep.last_times), median of repeats, each on a device kept busy for
-a forward's worth first (BUSY_MS); then the forward's fused
+a forward's worth from its start (BUSY_MS); then the forward's fused
 Triton decode against the torch decode of the same device buffer, every byte value drawn (sign
 bits and NaN scales too; median microseconds, and whether every value is the same, NaN as NaN).
 Writes one JSON object, with `ok` and the `summary` lines that gpu/gpu-check.sh reports, and
@@ -60,20 +60,25 @@ def add_requests(runner: Runner, vocab: int, eos: int) -> None:
     runner.add("p", request_tokens(vocab, eos, seed=9, length=900), 900)
 
 
-# How long the device stays busy before a timed step (a forward's worth), and before the step
-# whose sync is observed (long enough that a host step that does not wait returns first).
+# How long the device stays busy from the start of a timed host step (a forward's worth), and
+# of the one whose sync is observed (long enough that a host step that does not wait returns
+# first).
 BUSY_MS, OBSERVE_BUSY_MS = 5.0, 200.0
 
 
 class DeviceWait:
     """Whether a host step waited for the device, seen from outside the host step.
 
-    On CUDA the stream is kept busy (a sleep kernel) before the step: a step that synced
-    returns to an idle stream, one that did not returns while the kernel still runs. On the
-    CPU, where nothing runs on a stream, the host step's wait is a hook that counts its calls.
+    On CUDA the stream is kept busy (a sleep kernel) from the start of the host step: a step
+    that synced returns to an idle stream, one that did not returns while the kernel still
+    runs. The kernel is launched as the host step starts, not before the runner builds the
+    step: the runner's own copies of its inputs to the device (from pageable memory) wait for
+    the stream, which would read as a wait of the host step's. On the CPU, where nothing runs
+    on a stream, the host step's wait is a hook that counts its calls.
     """
 
     def __init__(self, host) -> None:
+        self.host = host
         self.cycles_per_ms = calibrate() if ple.DEVICE.type == "cuda" else 0.0
         self.calls = 0
         if ple.DEVICE.type != "cuda":
@@ -87,15 +92,25 @@ class DeviceWait:
             torch.cuda._sleep(int(ms * self.cycles_per_ms))
 
     def step(self, run, busy_ms: float) -> tuple[Any, bool]:
-        """run() on a busy device; (its result, whether it waited for the device)."""
+        """run() with the device busy from the host step's start; (its result, whether the
+        host step waited for the device)."""
         calls = self.calls
-        self.busy(busy_ms)
-        out = run()
-        if self.cycles_per_ms:
-            waited = torch.cuda.current_stream().query()
-            torch.cuda.synchronize()
-            return out, waited
-        return out, self.calls > calls
+        if not self.cycles_per_ms:
+            return run(), self.calls > calls
+        host_run = self.host.run
+
+        def on_a_busy_device(*args, **kwargs):
+            self.busy(busy_ms)
+            return host_run(*args, **kwargs)
+
+        self.host.run = on_a_busy_device
+        try:
+            out = run()
+        finally:
+            del self.host.run  # the class's own again
+        waited = torch.cuda.current_stream().query()
+        torch.cuda.synchronize()
+        return out, waited
 
 
 def calibrate() -> float:
