@@ -16,6 +16,7 @@ def load_layout():
     """roles/model_checkpoint/files/hf_cache_layout.py, the file the role copies to a host."""
     path = REPO / "roles/model_checkpoint/files/hf_cache_layout.py"
     spec = importlib.util.spec_from_file_location("hf_cache_layout", path)
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -39,12 +39,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
 @contextlib.contextmanager
 def lab_server(
     root: Path, snap: Path, table: Path, args: list[str], env: dict[str, str] | None = None
 ) -> Iterator[int]:
     """lab/lab_server.py serving `snap` with `table` on a free port of this machine (its port),
-    its log in root/server.log; stopped (SIGTERM, then SIGKILL after 15 s) on leaving."""
+    its log in root/server.log, healthy within 60 s; stopped (SIGTERM, then SIGKILL after 15 s)
+    on leaving."""
     site, patches = patched_site(root)
     port = free_port()
     full_env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{site}",
@@ -55,15 +64,10 @@ def lab_server(
     with open(root / "server.log", "wb") as log:
         server = subprocess.Popen(argv, env=full_env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if server.poll() is not None:
-                raise RuntimeError((root / "server.log").read_text())
+        deadline = time.monotonic() + 60
+        while not healthy(port):
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"no /health 200: {(root / 'server.log').read_text()}")
             time.sleep(0.1)
         yield port
     finally:

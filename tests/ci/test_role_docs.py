@@ -17,6 +17,7 @@ SCRIPT = ROOT / ".ci" / "role_docs.py"
 
 def load_role_docs():
     spec = importlib.util.spec_from_file_location("role_docs", SCRIPT)
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -384,6 +384,8 @@ def check(citation: Citation, read: Callable[[str], tuple[str, list[str]] | str]
 def source_reader(wheel: zipfile.ZipFile) -> Callable[[str], tuple[str, list[str]] | str]:
     """A file of the checkout, else of the wheel (under vllm/, or by its bare name)."""
     members = [n for n in wheel.namelist() if not n.endswith("/")]
+    assert wheel.filename is not None, "the wheel is opened from a file"
+    wheel_name = Path(wheel.filename).name
 
     def read(path: str) -> tuple[str, list[str]] | str:
         if (REPO / path).is_file():
@@ -391,7 +393,7 @@ def source_reader(wheel: zipfile.ZipFile) -> Callable[[str], tuple[str, list[str
         named = [n for n in members if n in (path, f"vllm/{path}")]
         named = named or [n for n in members if n.endswith(f"/{path}")]
         if len(named) != 1:
-            return f"{len(named)} files of {Path(wheel.filename).name} match: {named[:5]}"
+            return f"{len(named)} files of {wheel_name} match: {named[:5]}"
         return named[0], wheel.read(named[0]).decode().splitlines()
 
     return read
@@ -451,6 +453,6 @@ def test_citations_hold_for_their_claims(wheel):
         problems += [p for p in (check(c, read) for c in cites) if p]
         checked[name] = len(cites)
     assert not problems, "\n".join(problems)
-    for page, least in {"docs/model.md": 30, "docs/tensor-parallel.md": 60}.items():
-        assert checked[page] >= least, f"{page}: only {checked[page]} citations checked"
+    for doc, least in {"docs/model.md": 30, "docs/tensor-parallel.md": 60}.items():
+        assert checked[doc] >= least, f"{doc}: only {checked[doc]} citations checked"
     assert checked.total() >= 150, checked

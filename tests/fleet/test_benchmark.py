@@ -168,8 +168,9 @@ def test_the_runner_names_why_a_case_failed(vllm_python: Path, tmp_path: Path) -
     tokenizer.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tokenizer / name).write_bytes((snap / name).read_bytes())
+    base_url = f"http://127.0.0.1:{free_port()}"
     plan = {
-        "base_url": f"http://127.0.0.1:{free_port()}", "model": MODEL, "tokenizer": str(tokenizer),
+        "base_url": base_url, "model": MODEL, "tokenizer": str(tokenizer),
         "out_dir": str(tmp_path / "results"), "case_timeout_s": 60, "seed": 0,
         "cases": benchmark.plan_cases(str(ROOT / "files" / "benchmark"), [1], 1, 4, 0)[:1],
     }  # fmt: skip
@@ -186,6 +187,6 @@ def test_the_runner_names_why_a_case_failed(vllm_python: Path, tmp_path: Path) -
     # the refused connection, named by its exception (a traceback's last line)
     assert lines[1:] == [
         "bench: prose-c1: a request failed: aiohttp.client_exceptions.ClientConnectorError: "
-        f"Cannot connect to host {plan['base_url'][7:]} ssl:default "
-        f"[Connect call failed ('127.0.0.1', {plan['base_url'].rsplit(':', 1)[1]})]"
+        f"Cannot connect to host {base_url[7:]} ssl:default "
+        f"[Connect call failed ('127.0.0.1', {base_url.rsplit(':', 1)[1]})]"
     ], proc.stdout

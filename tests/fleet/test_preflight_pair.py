@@ -124,7 +124,7 @@ def run_pair(
     work.mkdir(exist_ok=True)
     trees = {h: link_tree(work / f"{h}-tree", a, 5 if h == "spark-a" else 2)
              for h, a in LINK.items()}  # fmt: skip
-    hosts = {
+    hosts: dict[str, dict[str, object]] = {
         **pair_hostvars(
             addresses=(LINK["spark-a"], LINK["spark-b"]), interface="lo", both=local,
             head={**head, "preflight_pair_link_check_args": trees["spark-a"]},

@@ -84,7 +84,7 @@ def site(tmp_path: Path, tables: dict[str, Path]) -> Path:
 
 
 def run(site: Path, action: str = "stage", **extra: str) -> tuple[dict, int]:
-    variables = {
+    variables: dict[str, object] = {
         "sparkple_release_dir": str(site / "releases"),
         "sparkple_table_dir": str(site / "table"),
         # the host's Python with the checkout's package (sparkple inspect-table)
@@ -102,7 +102,9 @@ def run(site: Path, action: str = "stage", **extra: str) -> tuple[dict, int]:
     (site / "out.json").unlink(missing_ok=True)
     proc = run_playbook(site, PLAYBOOK, variables, more_roles=site / "roles", timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    changed = int(re.search(r"localhost\s*:.*changed=(\d+)", proc.stdout).group(1))
+    recap = re.search(r"localhost\s*:.*changed=(\d+)", proc.stdout)
+    assert recap is not None, proc.stdout
+    changed = int(recap.group(1))
     return json.loads((site / "out.json").read_text()), changed - 1  # minus the copy of out.json
 
 

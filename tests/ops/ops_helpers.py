@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from lab_service import alive, children  # noqa: F401 - the tests' /proc helpers
 
@@ -58,7 +59,10 @@ def service_cmd(command: str, directory: Path, *extra: object) -> str:
     return " ".join(f"'{w}'" for w in words)
 
 
-def wait_for(predicate: Callable[[], object], timeout_s: float, what: str) -> object:
+T = TypeVar("T")
+
+
+def wait_for(predicate: Callable[[], T], timeout_s: float, what: str) -> T:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ops_helpers import program
@@ -74,7 +75,7 @@ def ip(direction: str, interface: str = IFACE) -> str:
 
 def test_port_counters_are_read_in_bytes_and_move_with_the_files(tmp_path):
     sysfs, out = tmp_path / "sys", tmp_path / "m.prom"
-    errors = {name: i + 1 for i, name in enumerate(PORT_ERRORS + ROCE_ERRORS)}
+    errors: dict[str, Any] = {name: i + 1 for i, name in enumerate(PORT_ERRORS + ROCE_ERRORS)}
     port = fake_port(
         sysfs, port_xmit_data=1_000_000, port_rcv_data=250, link_downed=2, **errors
     )  # fmt: skip

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -74,27 +75,37 @@ def table(tmp_path: Path) -> Path:
     return table_dir
 
 
+class Reader(subprocess.Popen[str]):
+    """table_reader.py running: gather(first, count) has it read rows, which it counts in
+    stats_dir."""
+
+    gather: Callable[[int, int], None]
+    stats_dir: Path
+
+
 @pytest.fixture
 def reader(table: Path, tmp_path: Path):
     stats_dir = tmp_path / "stats"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.Popen(
+    p = Reader(
         [sys.executable, str(Path(__file__).with_name("table_reader.py")),
          str(table / "rows-test.bin"), str(stats_dir)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
-    assert p.stdout.readline().strip() == "ready"
+    assert p.stdin is not None and p.stdout is not None
+    stdin, stdout = p.stdin, p.stdout
+    assert stdout.readline().strip() == "ready"
 
     def gather(first: int, count: int) -> None:
-        p.stdin.write(f"gather {first} {count} {ROW}\n")
-        p.stdin.flush()
-        assert p.stdout.readline().startswith("ok ")
+        stdin.write(f"gather {first} {count} {ROW}\n")
+        stdin.flush()
+        assert stdout.readline().startswith("ok ")
 
     p.gather = gather
     p.stats_dir = stats_dir
     yield p
-    p.stdin.write("quit\n")
-    p.stdin.close()
+    stdin.write("quit\n")
+    stdin.close()
     p.wait(10)
 
 

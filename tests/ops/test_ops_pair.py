@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -449,6 +450,7 @@ def test_a_starting_supervisor_answers_starting_and_its_peer_waits(tmp_path, pai
     since = time.time()
     procs(worker.supervisor(head))
     side = wait_for(lambda: _side_or_none(worker), 10, "the worker's link")
+    assert side is not None
     assert side["state"] == "starting" and side["updated"] is None
     assert (side["pair"], side["host"], side["rank"], side["role"]) == (
         "p1", "spark-worker", 1, "worker",
@@ -485,7 +487,7 @@ def test_a_peer_with_another_key_is_not_the_peer(tmp_path, pair, procs):
     procs(worker.supervisor(head))
     procs(head.supervisor(worker))
     for node in (head, worker):
-        [bad] = wait_for(lambda n=node: n.events("peer-mismatch"), 10, "the refusal")
+        [bad] = wait_for(partial(node.events, "peer-mismatch"), 10, "the refusal")
         assert "wrong MAC" in bad["error"] and "serving_supervisor_pair_key" in bad["error"]
     wait_for(lambda: head.events("relaunch"), 10, "the head's launch")
     time.sleep(1.5)
@@ -535,7 +537,7 @@ def test_a_pair_of_two_releases_is_never_launched_until_they_agree(tmp_path, pai
 
     worker.set_release("r2", "p2")
     for node in (head, worker):
-        [mixed] = wait_for(lambda n=node: n.events("release-mismatch"), 10, "the mismatch")
+        [mixed] = wait_for(partial(node.events, "release-mismatch"), 10, "the mismatch")
         assert {mixed["release"], mixed["peer_release"]} == {"r1", "r2"}
         assert "r1" in mixed["note"] and "r2" in mixed["note"] and "roll it back" in mixed["note"]
     assert head.active() and worker.active(), "a serving pair is not stopped for it"

@@ -39,6 +39,7 @@ def test_held_segments_are_never_removed(shm_prefix, how):
     holder = subprocess.Popen(
         [sys.executable, "-c", code, str(held)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
+    assert holder.stdin is not None and holder.stdout is not None
     try:
         assert holder.stdout.readline().strip() == b"holding"
         rc, report = shm(shm_prefix, "--remove")

@@ -79,6 +79,7 @@ def test_relaunch_with_backoff_until_the_breaker_opens_then_reset(tmp_path, lab,
         20,
         "the third stop to finish",
     )
+    assert isinstance(emergencies, list)
     assert len(emergencies) == 3 and all(m["stopped"] for m in emergencies)
     history = sup_state(state)["history"]
     # A relaunch attempt is a `relaunch`, or, where the watchdog stopped the service while its
@@ -345,6 +346,7 @@ def test_shared_memory_a_live_process_holds_is_kept(tmp_path, lab, procs, shm_pr
     holder = subprocess.Popen(
         [sys.executable, "-c", code, str(held)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
+    assert holder.stdin is not None and holder.stdout is not None
     try:
         assert holder.stdout.readline().strip() == b"holding"
         state = tmp_path / "state"
@@ -463,7 +465,7 @@ def test_io_errors_on_the_tables_device_are_alerted_with_what_to_do(
     )
     state = tmp_path / "state"
     table = tmp_path / "table"
-    args = ("--kmsg", kmsg, "--table-dir", table, "--table-device", "sdz")
+    args: tuple[object, ...] = ("--kmsg", kmsg, "--table-dir", table, "--table-device", "sdz")
     args += ("--alert-min-interval-s", 0, "--hold-after", 10)
     procs(supervisor(state, lab, "--start-cmd", "false", *args))
     (alert,) = wait_for(

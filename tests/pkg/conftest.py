@@ -49,10 +49,11 @@ def cli(*args: object) -> subprocess.CompletedProcess:
 
     from sparkple.cli import main
 
+    argv = [str(a) for a in args]
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            rc = main([str(a) for a in args])
+            rc = main(argv)
         except SystemExit as exc:  # argparse's usage errors
             rc = exc.code if isinstance(exc.code, int) else 2
-    return subprocess.CompletedProcess(list(args), rc, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess(argv, rc, out.getvalue(), err.getvalue())

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -51,7 +52,7 @@ def reference_table(snapshot: Path) -> bytes:
     return np.concatenate(parts).tobytes()
 
 
-GEOMETRIES = {
+GEOMETRIES: dict[str, dict[str, Any]] = {
     "nvfp4-3files": dict(quant="nvfp4", vocab_base=1000, files=3),
     "fp8-5files": dict(quant="fp8", vocab_base=700, files=5),
     "nvfp4-short-last-shard": dict(

@@ -27,6 +27,7 @@ pytestmark = [
 def test_row_ids_on_cuda_equal_numpy():
     # the GPU check's torch tier holds the comparison (on the device, and equal to numpy)
     spec = importlib.util.spec_from_file_location("torch_tier", REPO / "gpu" / "torch_tier.py")
+    assert spec is not None and spec.loader is not None
     torch_tier = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(torch_tier)
     assert torch_tier.check_row_ids(torch.device("cuda")) == {"row ids": True}

@@ -55,7 +55,9 @@ def test_e4m3_matches_torch_float8():
     assert np.array_equal(ours, theirs, equal_nan=True)
     # and rounding float -> e4m3 agrees with torch's cast (round to nearest even)
     vals = np.random.default_rng(1).standard_normal(20000).astype(np.float32) * 60
-    vals = np.concatenate([vals, nvfp4.E4M3_TABLE[:0x7F] * 1.0000001, np.float32([1e-4, 3e-3])])
+    vals = np.concatenate(
+        [vals, nvfp4.E4M3_TABLE[:0x7F] * 1.0000001, np.array([1e-4, 3e-3], dtype=np.float32)]
+    )
     want = torch.from_numpy(vals).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
     assert np.array_equal(nvfp4.float32_to_e4m3(vals), want)
 
@@ -112,7 +114,7 @@ def test_e2m1_rounding_ties_to_even():
     # so these values sit exactly on midpoints of the E2M1 grid
     step = 448 * 2.0**-10
     x = np.zeros((1, 16), dtype=np.float32)
-    x[0, :8] = np.float32([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]) * step
+    x[0, :8] = np.array([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32) * step
     x[0, 8:] = -x[0, :8]
     codes, scales, gs = nvfp4.quantize_rows(x)
     assert gs == 2.0**-10 and nvfp4.e4m3_to_float32(scales)[0, 0] == 448

@@ -54,6 +54,7 @@ def test_layout_names_and_config(snapshots):
 def test_values_decode_to_quantized_gaussians(snapshots):
     plan = plan_build(snapshots("nvfp4", files=3))
     shard = plan.shards[5]
+    assert shard.scales is not None
     packed = np.concatenate([shard.codes.memmap(), shard.scales.memmap()], axis=1)
     values = dequantize_rows(packed, plan.global_scale)
     assert np.isfinite(values).all() and values.std() > 0

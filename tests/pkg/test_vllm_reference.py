@@ -50,7 +50,7 @@ def vllm_hash(wheel):
     cls = next(
         n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Qwen4ExpNGramEmbedding"
     )
-    body = [
+    body: list[ast.stmt] = [
         n
         for n in cls.body
         if isinstance(n, ast.Assign) or (isinstance(n, ast.FunctionDef) and n.name in METHODS)
@@ -141,7 +141,7 @@ def vllm_dequantize(wheel):
 
     tree = ast.parse(zipfile.ZipFile(wheel).read(NVFP4_SOURCE).decode())
     wanted = {"break_fp4_bytes", "convert_swizzled_to_linear", "dequantize_to_dtype"}
-    body = [
+    body: list[ast.stmt] = [
         n
         for n in tree.body
         if (isinstance(n, ast.FunctionDef) and n.name in wanted)
@@ -190,7 +190,9 @@ def vllm_ref_quant(wheel):
     """vLLM's reference NVFP4 quantizer (ref_nvfp4_quant with its helpers)."""
     tree = ast.parse(zipfile.ZipFile(wheel).read(NVFP4_SOURCE).decode())
     wanted = {"get_reciprocal", "cast_to_fp4", "ref_nvfp4_quant"}
-    body = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in wanted]
+    body: list[ast.stmt] = [
+        n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in wanted
+    ]
     module = ast.Module(body=body, type_ignores=[])
     namespace = {"torch": torch, "FLOAT4_E2M1_MAX_RECIPROCAL": 1 / 6.0}
     exec(compile(module, f"{wheel.name}/{NVFP4_SOURCE}", "exec"), namespace)

@@ -59,7 +59,7 @@ def units(tmp_path_factory) -> dict[str, str]:
     local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
              "model_checkpoint_snapshot_dir": str(snapshot),
              "sparkple_image": "sparkple:test"}  # fmt: skip
-    hosts = {
+    hosts: dict[str, dict[str, object]] = {
         # a cross-wired worker, and ulimits without memlock: the pair adds it
         **pair_hostvars(
             hcas=("rocep1s0f1", "roceP2p1s0f1"),

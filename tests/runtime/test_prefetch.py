@@ -76,7 +76,8 @@ def cold_table(tmp_path):
     data.tofile(path)
     fd = os.open(path, os.O_RDONLY)
     rows = np.memmap(path, dtype=np.uint8, mode="r", shape=(n, W))
-    rows._mmap.madvise(mmap.MADV_RANDOM)
+    # numpy's stubs omit memmap's private _mmap, the mapping madvise() advises
+    rows._mmap.madvise(mmap.MADV_RANDOM)  # type: ignore[attr-defined]
     evict(rows, fd)
     assert resident_fraction(rows) == 0.0
     yield SimpleNamespace(rows=rows, fd=fd), data

@@ -138,7 +138,7 @@ def test_split_steps_stage_the_rows_of_the_whole_batch(table, built_table, with_
 
 def test_a_step_of_prompt_tokens_needs_nothing_from_the_device(built_table):
     g = built_table.geometry
-    prompts = [np.arange(100), np.arange(50) + 7]
+    prompts: list[np.ndarray | None] = [np.arange(100), np.arange(50) + 7]
     qsl = np.array([0, 40, 90, 90])  # and one padding request
     args = (qsl, 2, prompts, np.array([0, 0]), np.array([100, 50]), np.array([True, True]))
     split = split_step(*args, None, g)

@@ -51,6 +51,7 @@ def faulty_table(built_table, tmp_path: Path) -> Iterator[tuple[Path, int, int]]
          meta.data_file, str(bad_start), str(meta.data_bytes)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
+    assert fs.stdout is not None
     deadline = time.monotonic() + 20
     while not mounted(mnt):
         assert fs.poll() is None, f"the FUSE file system did not start: {fs.stdout.read()}"

@@ -38,7 +38,7 @@ def random_request(rng, geometry, length: int) -> np.ndarray:
     return tokens
 
 
-def fresh_batch(requests: list[np.ndarray], geometry):
+def fresh_batch(requests: list[np.ndarray], geometry) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A step where every request starts here (context = EOS)."""
     ids = np.concatenate(requests)
     qsl = np.concatenate(([0], np.cumsum([len(r) for r in requests])))
@@ -260,7 +260,7 @@ def test_a_gather_prepared_before_its_ids_exist(table, built_table):
         worker.wait_for(1, 30)
         worker.upload_prepared(upload)
         worker.release(1)
-        refused = (
+        refused: tuple[tuple[np.ndarray, list[tuple[int, int]], str], ...] = (
             (ids, [(0, 4)], "do not cover"),
             (ids.T, [(0, 5)], "row ids must be"),
             (np.zeros((5, H), np.int32), [(0, 5)], "C-contiguous int64"),

@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -88,7 +89,7 @@ def load_setting(**fields):
     return config_fields(get_current_vllm_config().load_config, **fields)
 
 
-LOAD_SETTINGS = {
+LOAD_SETTINGS: dict[str, dict[str, Any]] = {
     "safetensors lazy": {"load_format": "safetensors", "safetensors_load_strategy": "lazy"},
     "auto lazy": {"load_format": "auto", "safetensors_load_strategy": "lazy"},
     "eager": {"safetensors_load_strategy": "eager"},
@@ -105,7 +106,7 @@ LOAD_SETTINGS = {
 def refusals(module, snapshot: Path, table: Path) -> dict:
     """The message each load setting gets at construction (None: accepted)."""
     config = text_config(snapshot)
-    seen = {}
+    seen: dict[str, str | None] = {}
     os.environ["SPARKPLE_PLE_TABLE_DIR"] = str(table)
     try:
         for name, fields in LOAD_SETTINGS.items():
@@ -136,7 +137,8 @@ def tensor_ranges(path: Path) -> tuple[list[tuple[int, int]], list[tuple[int, in
         (size,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(size))
     base = 8 + size
-    read, shards = [(0, base)], []
+    read: list[tuple[int, int]] = [(0, base)]
+    shards: list[tuple[int, int]] = []
     for name, entry in header.items():
         if name != "__metadata__":
             start, end = entry["data_offsets"]

@@ -138,7 +138,7 @@ def main() -> None:
     tp_rank, tp_size, init_file = int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6])
     cases = [arg.split("=") for arg in sys.argv[7:]]
     ple.seed_loader_filter(rendered)
-    results = {}
+    results: dict[str, object] = {}
     with (
         tempfile.TemporaryDirectory() as work,
         ple.vllm_context(Path(work), tp_rank=tp_rank, tp_size=tp_size, init_file=init_file),

@@ -60,6 +60,8 @@ def test_the_readmes_openai_example_streams(vllm_venv: Path) -> None:
     proc = subprocess.run([str(vllm_venv), "-c", counted], capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    chunks = int(re.search(r"chunks printed: (\d+)", proc.stderr).group(1))
+    counted_line = re.search(r"chunks printed: (\d+)", proc.stderr)
+    assert counted_line is not None, proc.stderr[-3000:]
+    chunks = int(counted_line.group(1))
     assert chunks >= 2 and proc.stdout.strip(), (chunks, proc.stdout)
     print(f"openai example: {chunks} chunks streamed: {proc.stdout!r}")

@@ -125,6 +125,7 @@ def test_graph_check_on_cuda(request: pytest.FixtureRequest, tmp_path: Path) -> 
 def gpu_module(name: str):
     """gpu/NAME.py as a module (gpu/ is scripts, not a package)."""
     spec = importlib.util.spec_from_file_location(f"gpu_{name}", REPO / "gpu" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)

@@ -52,6 +52,7 @@ PAIR_CASES = {"pair-head": PairRank(0, "192.168.100.10", 29501),
 def load_module(path: Path, name: str):
     """A script as a module, importing its neighbours as it does when run (sys.path[0])."""
     spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(path.parent))
     try:

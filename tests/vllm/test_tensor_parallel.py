@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,7 @@ def run_ranks(vllm_venv: Path, rendered: Path, work: Path, cases_per_rank: list[
         outputs.append(out)
     failed = []
     for rank, (proc, log) in enumerate(procs):
+        code: int | str
         try:
             code = proc.wait(timeout=RUN_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -62,7 +64,7 @@ def run_ranks(vllm_venv: Path, rendered: Path, work: Path, cases_per_rank: list[
 
 
 @pytest.fixture(scope="module")
-def tp_results(vllm_venv: Path, vllm_originals: Path, tmp_path_factory) -> dict:
+def tp_results(vllm_venv: Path, vllm_originals: Path, tmp_path_factory) -> Iterator[dict]:
     work = tmp_path_factory.mktemp("ple-tp")
     rendered = work / "rendered"
     # no lookahead: which pages a run reads is then fixed by its steps alone (the lookahead's
@@ -212,7 +214,9 @@ RELEASE_CASES = {
 
 
 @pytest.fixture(scope="module")
-def release_results(vllm_venv: Path, vllm_originals: Path, tmp_path_factory) -> list[dict]:
+def release_results(
+    vllm_venv: Path, vllm_originals: Path, tmp_path_factory
+) -> Iterator[list[dict]]:
     """A pair on one small checkpoint, each node with its own build of the table: the two
     agree in everything but the release their units name."""
     work = tmp_path_factory.mktemp("ple-tp-release")
