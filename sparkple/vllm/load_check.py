@@ -6,19 +6,38 @@ another checkpoint, or a pair of two releases, stops the start here, not a reque
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 from vllm.config import get_current_vllm_config
 
 from sparkple.geometry import PLEGeometry
 from sparkple.runtime.rankcheck import Release, check_ranks, describe
+from sparkple.runtime.rowshard import OwnedRows
+from sparkple.runtime.table import PackedTable
 
-if TYPE_CHECKING:
-    from .packed_table import PackedTableEmbedding
+
+class LoadedLayer(Protocol):
+    """What the checks read of the packed-table layer (packed_table.PackedTableEmbedding, which
+    calls them): its own fields, and vLLM's (the prefix, the scales the checkpoint loaded, the
+    TP group)."""
+
+    quant: str
+    table: PackedTable
+    owned: OwnedRows
+    prefix: str
+    tp_rank: int
+    tp_size: int
+    parallel_group: Any  # vLLM's GroupCoordinator
+    weight_scale: torch.Tensor
+    weight_scale_2: torch.Tensor
+    _hash_buffers: tuple[torch.Tensor, ...] | None
+    _global_scale: float
+    _table_dir: str
 
 
-def checked_geometry(layer: PackedTableEmbedding) -> PLEGeometry:
+def checked_geometry(layer: LoadedLayer) -> PLEGeometry:
     """The hash as the checkpoint loaded it, checked against the layer's table right after the
     weights load (before profiling): its global scale, hash buffers and addressed rows, and on
     a pair the ranks (check_peers). A mismatch raises, naming each difference."""
@@ -60,7 +79,7 @@ def checked_geometry(layer: PackedTableEmbedding) -> PLEGeometry:
     return geometry
 
 
-def check_peers(layer: PackedTableEmbedding, problems: list[str]) -> None:
+def check_peers(layer: LoadedLayer, problems: list[str]) -> None:
     """Every rank of the group runs the same release (SPARKPLE_RELEASE_ID and
     SPARKPLE_PATCH_MANIFEST_SHA256, set by the serving unit) with the same table, and the
     ranks' ranges give each row one owner (a collective over the group's CPU side: every
