@@ -69,7 +69,7 @@ def driver(args: argparse.Namespace) -> int:
     table_dir, config, _ = ensure_table(args.work, args.table_gib)
     with tempfile.TemporaryDirectory() as tmp:
         rendered = Path(tmp) / "rendered"
-        patch.render("vllm-0.33", originals, rendered)
+        patch.render(patch.DEFAULT_PROFILE, originals, rendered)
         inner = Path(tmp) / "inner.json"
         cmd = [
             str(venv_python),

@@ -49,6 +49,7 @@ from harness.wheel_cache import (  # noqa: E402
     vllm_venv,
     vllm_wheel,
 )
+from sparkple.patch import DEFAULT_PROFILE  # noqa: E402
 
 MIB = 1024**2
 MAX_BYTES = 60 * MIB
@@ -268,7 +269,7 @@ def build(python: str, out: Path, target: Target) -> Path:
         shutil.copytree(sources, bundle / "vllm-src", ignore=shutil.ignore_patterns(".complete"))
         rendered = bundle / "rendered"
         run(
-            [sys.executable, "-m", "sparkple.cli", "patch", "render", "--profile", "vllm-0.33",
+            [sys.executable, "-m", "sparkple.cli", "patch", "render", "--profile", DEFAULT_PROFILE,
              "--originals", str(sources / "vllm"), "--out", str(rendered)],
             cwd=REPO,
         )  # fmt: skip

@@ -176,11 +176,19 @@ def refusals(patched, snapshot: Path, table_dir: Path) -> dict:
     cases: dict[str, AbstractContextManager] = {
         "pipeline": config_fields(parallel, pipeline_parallel_size=2),
         "prefill_context_parallel": config_fields(parallel, prefill_context_parallel_size=2),
-        "v1_runner": mock.patch.dict(os.environ, {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
         "tensor_parallel_4": config_fields(parallel, tensor_parallel_size=4),
         "sequence_parallel": config_fields(parallel, tensor_parallel_size=2, enable_hc_sp=True),
         "embedding_across_dp": config_fields(current, engram_config=across_dp),
     }
+    if "disk_offload" in EngramConfig.__dataclass_fields__:
+        # vLLM 0.34: its own disk offload beside the packed table (set after construction:
+        # EngramConfig refuses it off CUDA)
+        disk = EngramConfig(cpu_offload=False)
+        object.__setattr__(disk, "disk_offload", True)
+        cases["disk_offload"] = config_fields(current, engram_config=disk)
+    else:
+        # vLLM 0.33: its V1 runner never calls the model state's hooks (0.34 has no V1 runner)
+        cases["v1_runner"] = mock.patch.dict(os.environ, {"VLLM_USE_V2_MODEL_RUNNER": "0"})
     messages: dict[str, str | None] = {}
     os.environ["SPARKPLE_PLE_TABLE_DIR"] = str(table_dir)
     try:

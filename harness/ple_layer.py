@@ -8,6 +8,7 @@ script that imports it ("cpu" or "cuda"), read once at import.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -201,16 +202,21 @@ def request_states(max_model_len: int):
     On a CPU platform vLLM's UVA probe answers yes (`is_uva_available` is true for its CPU
     platform) but CPU torch has no pinned allocator, so the probe is answered as on a
     platform without pinned memory: vLLM's own explicit-copy buffers are used instead, on
-    this device (the unspecified platform vLLM sees here names no device type).
+    this device (the unspecified platform vLLM sees here names no device type). vLLM 0.34's
+    explicit-copy buffer asks for pinned memory itself where the platform offers it: it is
+    told none is (0.33's has no such probe).
     """
     from vllm.platforms import current_platform
     from vllm.v1.worker.gpu import buffer_utils
     from vllm.v1.worker.gpu.states import RequestState
 
-    with (
-        mock.patch.object(buffer_utils, "is_uva_available", lambda: False),
-        mock.patch.object(type(current_platform), "device_type", DEVICE.type),
-    ):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(buffer_utils, "is_uva_available", lambda: False))
+        stack.enter_context(mock.patch.object(type(current_platform), "device_type", DEVICE.type))
+        if hasattr(buffer_utils, "is_pin_memory_available") and DEVICE.type == "cpu":
+            stack.enter_context(
+                mock.patch.object(buffer_utils, "is_pin_memory_available", lambda: False)
+            )
         return RequestState(
             MAX_REQS, max_model_len, MAX_TOKENS, 3, 1 << 20, DEVICE, use_dense_all_token_ids=True
         )

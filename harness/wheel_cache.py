@@ -1,5 +1,12 @@
-"""The machine's cache (SPARKPLE_CACHE, default ~/.cache/sparkple): the vLLM 0.33.0 wheel from
-PyPI, the parts of it the tests extract, and the vLLM test venv, shared by every checkout.
+"""The machine's cache (SPARKPLE_CACHE, default ~/.cache/sparkple): the vLLM wheels of every
+patch profile (0.33.0 and 0.34.0) from PyPI, the parts of them the tests extract, and the vLLM
+test venvs, shared by every checkout.
+
+One venv per release, over one shared base: the base holds torch and torchvision (the pins
+both wheels share, about 5.5 GB) and the dependencies the releases agree on; a release's venv
+holds only its vLLM wheel (`--no-deps`) and the dependencies it needs otherwise (RELEASES),
+and sees the base's packages behind its own (a .pth file). The default release is the default
+patch profile's (`sparkple.patch.DEFAULT_PROFILE`).
 
 Every entry is named by a hash of what it is built from (the wheel's name, the pins, the
 requirements, the selection of members), built under a lock and marked complete only at the
@@ -7,9 +14,10 @@ end: a change builds a new entry, a clean clone reuses the one that is there, an
 ever sees a half-built one (it waits on the lock). Shared by the tests that read vLLM's own
 code (tests/pkg cross-checks, tests/vllm patches and integration), gpu/bundle.py and bench/.
 
-`python3 harness/wheel_cache.py vllm-venv` builds the venv (.ci/setup-venv runs it in the
-background while the other phases start) and prints its Python; `machine-venv TARGET_TOML`
-builds the simulated offline GPU machine of a gpu/targets/ file the same way.
+`python3 harness/wheel_cache.py vllm-venv [VERSION...]` builds the venvs (every release's by
+default; .ci/setup-venv runs it in the background while the other phases start) and prints the
+Pythons; `machine-venv TARGET_TOML` builds the simulated offline GPU machine of a gpu/targets/
+file the same way.
 """
 
 from __future__ import annotations
@@ -26,7 +34,20 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-VLLM_VERSION = "0.33.0"
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from sparkple.patch.profile import DEFAULT_PROFILE, load_profile  # noqa: E402
+
+# What each release's venv needs beyond the shared base (venv-requirements.txt): the
+# dependencies its METADATA moved past the other's (0.34.0: transformers <5.23 and
+# huggingface_hub >=2.0, where 0.33.0 takes transformers <5.21).
+RELEASES: dict[str, tuple[str, ...]] = {
+    "0.33.0": (),
+    "0.34.0": ("transformers>=5.16.1,<5.23.0", "huggingface_hub>=2.0,<3"),
+}
+# The release of the default patch profile: the one the whole vLLM suite runs against.
+VLLM_VERSION = load_profile(DEFAULT_PROFILE).vllm_version
 VENV_REQUIREMENTS = Path(__file__).resolve().with_name("venv-requirements.txt")
 # The wheel's own pins that the venv follows (vision models and ModelConfig's inspection import
 # torchvision, which only loads beside the torch it was built for).
@@ -98,16 +119,26 @@ def pip(python: Path | str, *args: str) -> None:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stdout}\n{result.stderr}")
 
 
-def vllm_wheel() -> Path:
-    with locked("vllm-wheel"):
-        wheels = sorted(WHEEL_DIR.glob(f"vllm-{VLLM_VERSION}-*.whl"))
+def _release(version: str) -> str:
+    if version not in RELEASES:
+        raise RuntimeError(
+            f"vLLM {version} has no patch profile here; the releases are {', '.join(RELEASES)}"
+        )
+    return version
+
+
+def vllm_wheel(version: str = VLLM_VERSION) -> Path:
+    """The vLLM `version` wheel for this machine's architecture, downloaded once."""
+    _release(version)
+    with locked(f"vllm-wheel-{version}"):
+        wheels = sorted(WHEEL_DIR.glob(f"vllm-{version}-*.whl"))
         if not wheels:
             # pip writes the wheel under a temporary name and renames it: never a partial file
-            spec = f"vllm=={VLLM_VERSION}"
+            spec = f"vllm=={version}"
             pip(sys.executable, "download", "--no-deps", spec, "-d", str(WHEEL_DIR))
-            wheels = sorted(WHEEL_DIR.glob(f"vllm-{VLLM_VERSION}-*.whl"))
+            wheels = sorted(WHEEL_DIR.glob(f"vllm-{version}-*.whl"))
         if not wheels:
-            raise RuntimeError(f"pip download left no vllm {VLLM_VERSION} wheel in {WHEEL_DIR}")
+            raise RuntimeError(f"pip download left no vllm {version} wheel in {WHEEL_DIR}")
         return wheels[0]
 
 
@@ -133,14 +164,15 @@ def extract_once(
     return build_once(dest, extract, f"{wheel.name}\n{recipe}\n")
 
 
-def vllm_originals() -> Path:
-    """The `vllm` package directory of the files the patch profile touches (paths inside it as
-    the profile names them)."""
+def vllm_originals(version: str = VLLM_VERSION) -> Path:
+    """The `vllm` package directory of the files the patch profiles touch (paths inside it as
+    the profile names them), of vLLM `version`."""
 
     def wanted(member: str) -> bool:
         return member.startswith(ORIGINAL_PREFIXES) and member.endswith(".py")
 
-    return extract_once(vllm_wheel(), "vllm-sources", wanted, str(ORIGINAL_PREFIXES)) / "vllm"
+    wheel = vllm_wheel(version)
+    return extract_once(wheel, "vllm-sources", wanted, str(ORIGINAL_PREFIXES)) / "vllm"
 
 
 def wheel_pins(wheel: Path, names: tuple[str, ...] = PINNED) -> list[str]:
@@ -157,15 +189,17 @@ def wheel_pins(wheel: Path, names: tuple[str, ...] = PINNED) -> list[str]:
     return [pins[n] for n in names]
 
 
-def vllm_venv() -> Path:
-    """Python of a venv with vLLM 0.33.0 (no deps) that imports the Qwen4Exp PLE modules: the
-    torch and torchvision the wheel pins, then venv-requirements.txt under those pins, then the
-    wheel itself `--no-deps`. PyPI's torch for x86_64 is a CUDA build: about 5.5 GB and about
-    2 minutes to install, once per machine."""
-    wheel = vllm_wheel()
-    pins = wheel_pins(wheel)
+def base_venv() -> Path:
+    """Python of the venv every release's venv stands on: the torch and torchvision the wheels
+    pin (every release must pin the same; PyPI's torch for x86_64 is a CUDA build: about 5.5 GB
+    and about 2 minutes to install, once per machine), then venv-requirements.txt under those
+    pins. No vLLM."""
+    pin_sets = {tuple(wheel_pins(vllm_wheel(version))) for version in RELEASES}
+    if len(pin_sets) != 1:
+        raise RuntimeError(f"the vLLM releases pin different torch builds: {sorted(pin_sets)}")
+    (pins,) = (list(p) for p in pin_sets)
     python_version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    inputs = (wheel.name, *pins, VENV_REQUIREMENTS.read_text(), python_version)
+    inputs = (*pins, VENV_REQUIREMENTS.read_text(), python_version)
 
     def install(venv: Path) -> None:
         python = venv / "bin" / "python"
@@ -174,9 +208,37 @@ def vllm_venv() -> Path:
         constraints = venv / "constraints.txt"
         constraints.write_text("\n".join(pins) + "\n")
         pip(python, "install", "-c", str(constraints), "-r", str(VENV_REQUIREMENTS))
+
+    venv = CACHE / f"vllm-base-venv-{key(*inputs)}"
+    return build_once(venv, install, "\n".join(inputs) + "\n") / "bin" / "python"
+
+
+def site_packages(python: Path) -> Path:
+    (found,) = python.parent.parent.glob("lib/python*/site-packages")
+    return found
+
+
+def vllm_venv(version: str = VLLM_VERSION) -> Path:
+    """Python of a venv with vLLM `version` (no deps) that imports the Qwen4Exp PLE modules:
+    the release's own dependencies (RELEASES) and its wheel `--no-deps` in a venv of its own,
+    whose site-packages reads the base venv's behind them (a .pth line)."""
+    wheel = vllm_wheel(version)
+    base = base_venv()
+    extra = RELEASES[_release(version)]
+    inputs = (wheel.name, str(base), *extra)
+
+    def install(venv: Path) -> None:
+        python = venv / "bin" / "python"
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        # the base's packages, after the release's own (site-packages comes first on sys.path)
+        (site_packages(python) / "zz-vllm-base.pth").write_text(f"{site_packages(base)}\n")
+        constraints = venv / "constraints.txt"
+        constraints.write_text("\n".join(wheel_pins(wheel)) + "\n")
+        if extra:
+            pip(python, "install", "-c", str(constraints), *extra)
         pip(python, "install", "--no-deps", str(wheel))
 
-    venv = CACHE / f"vllm-venv-{key(*inputs)}"
+    venv = CACHE / f"vllm-venv-{version}-{key(*inputs)}"
     return build_once(venv, install, "\n".join(inputs) + "\n") / "bin" / "python"
 
 
@@ -223,12 +285,16 @@ def machine_venv(target: Path) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    if argv == ["vllm-venv"]:
-        print(vllm_venv())
+    if argv[:1] == ["vllm-venv"]:
+        for version in argv[1:] or list(RELEASES):
+            print(vllm_venv(version))
     elif len(argv) == 2 and argv[0] == "machine-venv":
         print(machine_venv(Path(argv[1]).resolve()))
     else:
-        print("usage: wheel_cache.py vllm-venv | machine-venv TARGET_TOML", file=sys.stderr)
+        print(
+            "usage: wheel_cache.py vllm-venv [VERSION...] | machine-venv TARGET_TOML",
+            file=sys.stderr,
+        )
         return 2
     return 0
 

@@ -15,6 +15,9 @@ PROFILE_NAME = "profile.yml"
 PATCH_MARKER = "sparkple-patch"
 # The profiles shipped with the checkout: <repo>/templates/vllm/<name>/.
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "templates" / "vllm"
+# The profile every role, inventory and test takes unless told otherwise (the roles' knob:
+# vllm_patches_profile); the profiles before it stay supported for rollbacks.
+DEFAULT_PROFILE = "vllm-0.34"
 EDIT_MODES = ("insert_before", "insert_after", "replace")
 VAR_TYPES = ("int", "float", "str", "choice")
 

@@ -1,6 +1,6 @@
-"""The vLLM 0.33 adapter: a Qwen4Exp PLE storage backend that reads the packed table from NVMe
-through mmap, and the host step that feeds it. It imports vLLM: only the serving process (the
-vllm-0.33 profile's rendered module, templates/vllm/vllm-0.33/ple_mmap_embedding.py.j2, and the
+"""The vLLM adapter (vLLM 0.33 and 0.34): a Qwen4Exp PLE storage backend that reads the packed
+table from NVMe through mmap, and the host step that feeds it. It imports vLLM: only the serving
+process (a profile's rendered module, templates/vllm/<profile>/ple_mmap_embedding.py.j2, and the
 edits to vLLM's own files that import from it) and the tests and tools that run vLLM load it.
 
 The table named by SPARKPLE_PLE_TABLE_DIR stays in its file: it is mapped read-only with
@@ -38,6 +38,7 @@ non-zero for each row, so the sum is its owner's bytes, bit-exact), then decodes
 capture runs sum zeros.
 All of the table logic is the runtime's (sparkple/runtime/); this package only adapts it to
 vLLM. Its modules: settings.py (the environment, constants and the settings refused),
+releases.py (what one release refuses that the other does not: the only place that asks),
 packed_table.py (the layer), host_inputs.py (the step's copies to the host), load_check.py (the
 table against the loaded checkpoint and the pair's ranks), host_step.py (the step order).
 """

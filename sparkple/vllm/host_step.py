@@ -1,4 +1,4 @@
-"""The host step in vLLM 0.33: what the patched model state calls, each step before the forward
+"""The host step in vLLM: what the patched model state calls, each step before the forward
 (host_step), when it adds and removes a request (add_request, remove_request) and before graph
 capture (dummy_step), driving every packed-table PLE layer of the model in the step order that
 sparkple/vllm/__init__.py describes.

@@ -1,4 +1,4 @@
-"""The packed-table PLE layer in vLLM 0.33: a Qwen4Exp PLE storage backend whose rows stay in
+"""The packed-table PLE layer in vLLM: a Qwen4Exp PLE storage backend whose rows stay in
 the packed table on NVMe, read through a read-only mmap with MADV_RANDOM (evictable page cache,
 never a copy in RAM), gathered on the host before each forward and uploaded into one device
 buffer the forward reads and decodes.
@@ -80,7 +80,7 @@ class PackedTableEmbedding(Qwen4ExpPLEEmbedding):
     supports_prefetch: ClassVar[bool] = True
     # The patched load_weights skips the checkpoint's row shards for this backend.
     rows_from_packed_table: ClassVar[bool] = True
-    # The profile's template variables (vllm-0.33's defaults; the rendered subclass sets them).
+    # The profile's template variables (the profiles' defaults; the rendered subclass sets them).
     staging_slots: ClassVar[int] = 3
     lookahead_bytes: ClassVar[int] = 256 * 2**20
 

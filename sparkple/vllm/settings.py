@@ -1,5 +1,6 @@
-"""The packed table's settings in vLLM 0.33: the environment it reads, its constants, and the vLLM
-settings it cannot serve (each refused at the layer's construction with the setting to change).
+"""The packed table's settings in vLLM: the environment it reads, its constants, and the vLLM
+settings it cannot serve (each refused at the layer's construction with the setting to change;
+what only one release refuses is in releases.py).
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ import os
 from typing import Any
 
 from vllm.config import VllmConfig
+
+from .releases import release_problems
 
 TABLE_DIR_ENV = "SPARKPLE_PLE_TABLE_DIR"
 STEP_TIMEOUT_ENV = "SPARKPLE_PLE_STEP_TIMEOUT"
@@ -23,8 +26,8 @@ TP_SIZES = (1, 2)
 # Prompt tokens a syncing step brings back from the device beside its own, one per prompt
 # segment (its last): the host checks its prompt bookkeeping against them (host_step.HostStep).
 HOST_PROBES = 4
-# Safetensors loading that reads the row shards: only the lazy strategy of vLLM 0.33's
-# safetensors iterator asks the per-name skip before it reads a tensor.
+# Safetensors loading that reads the row shards: only the lazy strategy of vLLM's (0.33 and
+# 0.34) safetensors iterator asks the per-name skip before it reads a tensor.
 ROW_SHARD_READING_STRATEGIES = {
     None: "the default prefetches every file into the page cache on NFS and Lustre",
     "eager": "reads each whole file, then filters the names",
@@ -51,16 +54,14 @@ def unsupported_settings(config: VllmConfig) -> list[str]:
     """The vLLM settings a packed table cannot serve, each with the setting to change."""
     parallel = config.parallel_config
     engram = config.engram_config
-    problems = []
-    if not config.use_v2_model_runner:
-        problems.append(
-            "the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0 or a feature only it supports): "
-            "only the V2 runner's model state runs the host step before each forward"
-        )
+    problems = release_problems(config)
+    # vLLM 0.33's model state refuses it too; 0.34's no longer does
     if parallel.pipeline_parallel_size > 1:
         problems.append(
-            f"--pipeline-parallel-size {parallel.pipeline_parallel_size}: later pipeline "
-            "ranks do not see the token ids"
+            f"--pipeline-parallel-size {parallel.pipeline_parallel_size}: the packed table "
+            "splits its rows over the TP group and runs its host step where the PLE layer "
+            "runs, on every rank; a pipeline puts the layers on different ranks (a pair is "
+            "--tensor-parallel-size 2)"
         )
     if parallel.tensor_parallel_size not in TP_SIZES:
         problems.append(

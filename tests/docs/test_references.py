@@ -10,9 +10,11 @@ lines in README.md and docs/*.md holds for the claim it supports.
   `lines N-M` (or a list) cites the file its paragraph or row cited last. Anything else that
   looks like one (`file.py: 12` broken over two lines, `line 7` after no file, a bare `9-12`
   beside citations) fails the test: it would be checked by nothing.
-- A path is a file of the checkout, else of the vLLM 0.33.0 wheel: under vllm/, relative to the
-  `vllm` package (as docs/tensor-parallel.md writes them), or by a bare file name the wheel has
-  once. The file has the cited lines.
+- A path is a file of the checkout, else of the vLLM wheel of the release its page is about
+  (RELEASE_OF: docs/vllm-0.33.md reads 0.33.0; every other page, docs/vllm-0.34.md included,
+  the default patch profile's release, `wheel_cache.VLLM_VERSION`): under vllm/, relative to
+  the `vllm` package (as docs/tensor-parallel.md writes them), or by a bare file name the wheel
+  has once. The file has the cited lines.
 - The cited lines hold the claim's own words. The claim is, in a table, the row's cells other
   than its citations; in prose, the words of the citation's sentence between the previous
   citation of that sentence (or its start) and this one, or the whole sentence where those
@@ -31,13 +33,13 @@ import re
 import subprocess
 import zipfile
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from harness.wheel_cache import vllm_wheel
+from harness import wheel_cache
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
@@ -47,6 +49,14 @@ MD_LINK = re.compile(r"\]\(([^)\s]+)\)")
 # The team notes that once lived beside the checkout (written so this file does not match).
 OUTSIDE_NOTES = re.compile(r"\b(?:FACTS|DESIGN|PERF|CI)[.]md\b|[.][.][/]shared\b")
 BACKTICKED = re.compile(r"`([^`]+)`")
+# The vLLM release whose wheel a page's citations are read against, where it is not the default
+# patch profile's (`wheel_cache.VLLM_VERSION`): a page about one release cites that release.
+RELEASE_OF = {"docs/vllm-0.33.md": "0.33.0"}
+
+
+def release_of(page: str) -> str:
+    """The vLLM release a page (its path in the checkout) cites."""
+    return RELEASE_OF.get(page, wheel_cache.VLLM_VERSION)
 
 
 def repo_files() -> list[Path]:
@@ -437,20 +447,42 @@ def test_the_citation_check_reads_the_claim_not_the_row():
 
 
 @pytest.fixture(scope="module")
-def wheel() -> zipfile.ZipFile:
-    try:
-        return zipfile.ZipFile(vllm_wheel())
-    except RuntimeError as exc:
-        pytest.skip(f"the vllm==0.33.0 wheel is not available (no PyPI access?): {exc}")
+def wheels() -> Iterator[Callable[[str], zipfile.ZipFile]]:
+    """The wheel of a release, opened once."""
+    opened: dict[str, zipfile.ZipFile] = {}
+
+    def wheel(version: str) -> zipfile.ZipFile:
+        if version not in opened:
+            try:
+                opened[version] = zipfile.ZipFile(wheel_cache.vllm_wheel(version))
+            except RuntimeError as exc:
+                pytest.skip(f"the vllm=={version} wheel is not available (no PyPI access?): {exc}")
+        return opened[version]
+
+    yield wheel
+    for archive in opened.values():
+        archive.close()
 
 
-def test_citations_hold_for_their_claims(wheel):
-    read = source_reader(wheel)
+def test_a_page_about_a_release_reads_its_wheel():
+    assert release_of("docs/vllm-0.33.md") == "0.33.0"
+    assert release_of("README.md") == release_of("docs/model.md") == wheel_cache.VLLM_VERSION
+    # every page about one release (vllm-X.Y.md under docs/) reads a wheel of that release
+    for page in sorted(DOCS.glob("vllm-*.md")):
+        release = release_of(str(page.relative_to(REPO)))
+        assert release.startswith(page.stem.removeprefix("vllm-") + "."), (page.name, release)
+
+
+def test_citations_hold_for_their_claims(wheels):
+    readers: dict[str, Callable[[str], tuple[str, list[str]] | str]] = {}
     problems, checked = [], Counter[str]()
     for page in pages():
         name = str(page.relative_to(REPO))
+        release = release_of(name)
+        if release not in readers:
+            readers[release] = source_reader(wheels(release))
         cites, _ = citations(name, page.read_text())
-        problems += [p for p in (check(c, read) for c in cites) if p]
+        problems += [p for p in (check(c, readers[release]) for c in cites) if p]
         checked[name] = len(cites)
     assert not problems, "\n".join(problems)
     for doc, least in {"docs/model.md": 30, "docs/tensor-parallel.md": 60}.items():

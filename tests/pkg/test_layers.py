@@ -7,7 +7,7 @@ subpackages, and each layer imports only what the Python that runs it has.
   serving/        the serving plan: the base and the builder's safetensors header reader
   ops/            the host programs: the base and the runtime's stats and table metadata
   patch/          the patch engine: the base
-  vllm/           the vLLM 0.33 adapter in the serving process: the base and the runtime
+  vllm/           the vLLM adapter (0.33, 0.34) in the serving process: the base and the runtime
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def run_graph_check(vllm_venv: Path, vllm_originals: Path, work: Path, device: s
     table = work / "table"
     build_table(snapshot, table, quiet=True)
     rendered = work / "rendered"
-    patch.render("vllm-0.33", vllm_originals, rendered)
+    patch.render(patch.DEFAULT_PROFILE, vllm_originals, rendered)
     out = work / "graph.json"
     env = {**os.environ, "PYTHONPATH": wheel_cache.pythonpath(REPO)}
     env.pop("SPARKPLE_PLE_TABLE_DIR", None)

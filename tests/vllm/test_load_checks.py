@@ -33,7 +33,7 @@ def checks(vllm_venv: Path, vllm_originals: Path, tmp_path_factory) -> dict:
     # the same geometry, other rows (another global scale), and another hash
     other_rows, other_hash = snapshot("other-rows", seed=2), snapshot("other-hash", hash_seed=99)
     rendered = work / "rendered"
-    patch.render("vllm-0.33", vllm_originals, rendered)
+    patch.render(patch.DEFAULT_PROFILE, vllm_originals, rendered)
     result_path = work / "result.json"
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{SCRIPT.parent}"}
     env.pop("SPARKPLE_PLE_TABLE_DIR", None)

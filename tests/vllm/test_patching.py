@@ -1,4 +1,5 @@
-"""The patch engine against the real vLLM 0.33.0 files from the PyPI wheel."""
+"""The patch engine against the real vLLM files from the PyPI wheels: every profile (vllm-0.34,
+the default, and vllm-0.33) against its own release's files."""
 
 from __future__ import annotations
 
@@ -12,13 +13,17 @@ from pathlib import Path
 import pytest
 import yaml
 
+from harness import wheel_cache
 from sparkple import patch
 from sparkple.cli import main
 from sparkple.errors import PatchError
 
 REPO = Path(__file__).resolve().parents[2]
-PROFILE = "vllm-0.33"
-PROFILE_DIR = REPO / "templates" / "vllm" / PROFILE
+# every profile the checkout ships: the default first
+PROFILES = [patch.DEFAULT_PROFILE] + sorted(
+    {p.parent.name for p in (REPO / "templates" / "vllm").glob("*/profile.yml")}
+    - {patch.DEFAULT_PROFILE}
+)
 TARGET = "models/qwen4_exp/nvidia/ngram_embedding.py"
 ADDED = "models/qwen4_exp/common/ple_mmap_embedding.py"
 STATE = "models/qwen4_exp/nvidia/model_state.py"
@@ -27,20 +32,35 @@ COMMON = "models/qwen4_exp/common/ngram_embedding.py"
 EDITED = (TARGET, COMMON, STATE, LOADER_FILTER)
 
 
+@pytest.fixture(scope="module", params=PROFILES)
+def profile_name(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def release_originals(profile_name: str, vllm_originals: Path) -> Path:
+    """The `vllm` package directory of the profile's own release (the default's may be given:
+    SPARKPLE_VLLM_SOURCES)."""
+    version = patch.load_profile(profile_name).vllm_version
+    if version == wheel_cache.VLLM_VERSION:
+        return vllm_originals
+    return wheel_cache.vllm_originals(version)
+
+
 @pytest.fixture
-def originals(vllm_originals: Path, tmp_path: Path) -> Path:
+def originals(profile_name: str, release_originals: Path, tmp_path: Path) -> Path:
     """A private, writable copy of the profile's originals."""
     root = tmp_path / "originals"
-    for rel in patch.load_profile(PROFILE).originals:
+    for rel in patch.load_profile(profile_name).originals:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(vllm_originals / rel, root / rel)
+        shutil.copyfile(release_originals / rel, root / rel)
     return root
 
 
-def repinned_profile(tmp_path: Path, originals: Path) -> Path:
+def repinned_profile(tmp_path: Path, originals: Path, profile_name: str) -> Path:
     """A copy of the profile whose pins match the (mutated) originals, to reach later checks."""
     copy = tmp_path / "profile-copy"
-    shutil.copytree(PROFILE_DIR, copy)
+    shutil.copytree(patch.load_profile(profile_name).directory, copy)
     data = yaml.safe_load((copy / "profile.yml").read_text())
     for rel in data["originals"]:
         data["originals"][rel] = patch.sha256_file(originals / rel)
@@ -48,18 +68,29 @@ def repinned_profile(tmp_path: Path, originals: Path) -> Path:
     return copy
 
 
-def test_pins_equal_the_wheel_files(vllm_originals: Path) -> None:
-    profile = patch.load_profile(PROFILE)
-    assert profile.vllm_version == "0.33.0"
+def test_pins_equal_the_wheel_files(profile_name: str, release_originals: Path) -> None:
+    profile = patch.load_profile(profile_name)
+    assert profile.vllm_version == f"{profile_name.removeprefix('vllm-')}.0"
+    assert profile.image == f"vllm/vllm-openai:v{profile.vllm_version}"
     assert set(profile.originals) >= {TARGET, "models/qwen4_exp/common/ngram_embedding.py"}
     for rel, pinned in profile.originals.items():
-        assert patch.sha256_file(vllm_originals / rel) == pinned, rel
+        assert patch.sha256_file(release_originals / rel) == pinned, rel
 
 
-def test_render_applies_every_edit_and_check_passes(originals: Path, tmp_path: Path) -> None:
+def test_the_default_profile_is_the_newest() -> None:
+    def release(name: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in patch.load_profile(name).vllm_version.split("."))
+
+    assert patch.DEFAULT_PROFILE == max(PROFILES, key=release) == "vllm-0.34"
+    assert wheel_cache.VLLM_VERSION == "0.34.0"
+
+
+def test_render_applies_every_edit_and_check_passes(
+    profile_name: str, originals: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "out"
-    manifest = patch.render(PROFILE, originals, out)
-    profile = patch.load_profile(PROFILE)
+    manifest = patch.render(profile_name, originals, out)
+    profile = patch.load_profile(profile_name)
     assert set(profile.edits) == set(EDITED)
     for rel, edits in profile.edits.items():
         patched = (out / rel).read_text()
@@ -84,7 +115,8 @@ def test_render_applies_every_edit_and_check_passes(originals: Path, tmp_path: P
     for rel, entry in entries.items():
         assert entry["patched_sha256"] == patch.sha256_file(out / rel)
         assert len(entry["template_sha256"]) == 64
-    assert on_disk["profile"] == PROFILE and on_disk["vllm_version"] == "0.33.0"
+    assert on_disk["profile"] == profile_name
+    assert on_disk["vllm_version"] == patch.load_profile(profile_name).vllm_version
     assert on_disk["variables"] == {"lookahead_mib": 256, "staging_slots": 3}
     assert set(on_disk["env"]) == {"SPARKPLE_PLE_TABLE_DIR", "SPARKPLE_PLE_STEP_TIMEOUT"}
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "model_executor", "models"]
@@ -93,10 +125,12 @@ def test_render_applies_every_edit_and_check_passes(originals: Path, tmp_path: P
     assert sorted(p.name for p in tmp_path.iterdir()) == ["originals", "out"]
 
 
-def test_variables_are_rendered_and_validated(originals: Path, tmp_path: Path) -> None:
+def test_variables_are_rendered_and_validated(
+    profile_name: str, originals: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "out"
     patch.render(
-        PROFILE,
+        profile_name,
         originals,
         out,
         {"lookahead_mib": "64", "staging_slots": "2"},
@@ -116,13 +150,13 @@ def test_variables_are_rendered_and_validated(originals: Path, tmp_path: Path) -
     }
     for name, value in bad.items():
         with pytest.raises(PatchError, match=name):
-            patch.render(PROFILE, originals, tmp_path / "never", {name: value})
+            patch.render(profile_name, originals, tmp_path / "never", {name: value})
     assert not (tmp_path / "never").exists()
 
 
-def test_rendered_python_passes_ruff(originals: Path, tmp_path: Path) -> None:
+def test_rendered_python_passes_ruff(profile_name: str, originals: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    patch.render(PROFILE, originals, out)
+    patch.render(profile_name, originals, out)
     ruff = [sys.executable, "-m", "ruff"]
     config = ["--config", str(REPO / "pyproject.toml")]
     added = str(out / ADDED)
@@ -143,55 +177,60 @@ def test_rendered_python_passes_ruff(originals: Path, tmp_path: Path) -> None:
         assert findings(out / rel) == findings(originals / rel), rel
 
 
-def test_mutated_original_is_refused(originals: Path, tmp_path: Path) -> None:
+def test_mutated_original_is_refused(profile_name: str, originals: Path, tmp_path: Path) -> None:
     target = originals / TARGET
-    pinned = patch.load_profile(PROFILE).originals[TARGET]
+    pinned = patch.load_profile(profile_name).originals[TARGET]
     target.write_text(target.read_text().replace("Qwen4Exp", "Qwen4Exq", 1))
     actual = patch.sha256_file(target)
     out = tmp_path / "out"
     with pytest.raises(PatchError) as info:
-        patch.render(PROFILE, originals, out)
+        patch.render(profile_name, originals, out)
     message = str(info.value)
     assert TARGET in message and pinned in message and actual in message
     assert not out.exists()
 
 
-def test_duplicated_anchor_is_refused(originals: Path, tmp_path: Path) -> None:
+def test_duplicated_anchor_is_refused(profile_name: str, originals: Path, tmp_path: Path) -> None:
     target = originals / TARGET
-    anchor = patch.load_profile(PROFILE).edits[TARGET][1].anchor
+    anchor = patch.load_profile(profile_name).edits[TARGET][1].anchor
     target.write_text(target.read_text() + "\n\ndef twice(self):\n" + anchor)
-    profile = repinned_profile(tmp_path, originals)  # the pins pass; the anchor check must not
+    profile = repinned_profile(
+        tmp_path, originals, profile_name
+    )  # the pins pass; the anchor check must not
     out = tmp_path / "out"
     with pytest.raises(PatchError, match="occurs 2 times"):
         patch.render(profile, originals, out)
     assert not out.exists()
 
 
-def test_missing_anchor_is_refused(originals: Path, tmp_path: Path) -> None:
+def test_missing_anchor_is_refused(profile_name: str, originals: Path, tmp_path: Path) -> None:
     target = originals / TARGET
-    target.write_text(target.read_text().replace("from collections.abc import Iterable\n", ""))
-    profile = repinned_profile(tmp_path, originals)
+    anchor = patch.load_profile(profile_name).edits[TARGET][0].anchor
+    target.write_text(target.read_text().replace(anchor, ""))
+    profile = repinned_profile(tmp_path, originals, profile_name)
     with pytest.raises(PatchError, match="occurs 0 times"):
         patch.render(profile, originals, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
-def test_already_patched_file_is_refused(originals: Path, tmp_path: Path) -> None:
+def test_already_patched_file_is_refused(
+    profile_name: str, originals: Path, tmp_path: Path
+) -> None:
     first = tmp_path / "first"
-    patch.render(PROFILE, originals, first)
+    patch.render(profile_name, originals, first)
     shutil.copyfile(first / TARGET, originals / TARGET)
     out = tmp_path / "out"
     with pytest.raises(PatchError, match="already carries the sparkple patch"):
-        patch.render(PROFILE, originals, out)
+        patch.render(profile_name, originals, out)
     # even with pins that match the patched file, the marker refuses it
-    profile = repinned_profile(tmp_path, originals)
+    profile = repinned_profile(tmp_path, originals, profile_name)
     with pytest.raises(PatchError, match="already patched"):
         patch.render(profile, originals, out)
     assert not out.exists()
 
 
-def test_unparsable_result_is_refused(originals: Path, tmp_path: Path) -> None:
-    profile = repinned_profile(tmp_path, originals)
+def test_unparsable_result_is_refused(profile_name: str, originals: Path, tmp_path: Path) -> None:
+    profile = repinned_profile(tmp_path, originals, profile_name)
     (profile / "edits" / "select_backend.py.j2").write_text("        # {{ marker }}\n    oops(\n")
     with pytest.raises(PatchError, match="not valid Python"):
         patch.render(profile, originals, tmp_path / "out")
@@ -199,27 +238,29 @@ def test_unparsable_result_is_refused(originals: Path, tmp_path: Path) -> None:
 
 
 def test_refusal_keeps_an_earlier_render(
-    originals: Path, vllm_originals: Path, tmp_path: Path
+    profile_name: str, originals: Path, release_originals: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "out"
-    patch.render(PROFILE, originals, out)
+    patch.render(profile_name, originals, out)
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     (originals / TARGET).write_text("# not vllm\n")
     with pytest.raises(PatchError):
-        patch.render(PROFILE, originals, out)
+        patch.render(profile_name, originals, out)
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     # a foreign, non-empty directory is never replaced
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "keep.txt").write_text("mine")
     with pytest.raises(PatchError, match="not empty"):
-        patch.render(PROFILE, vllm_originals, foreign)
+        patch.render(profile_name, release_originals, foreign)
     assert [p.name for p in foreign.iterdir()] == ["keep.txt"]
 
 
-def test_check_catches_modified_missing_and_extra_files(originals: Path, tmp_path: Path) -> None:
+def test_check_catches_modified_missing_and_extra_files(
+    profile_name: str, originals: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "out"
-    patch.render(PROFILE, originals, out)
+    patch.render(profile_name, originals, out)
     with (out / ADDED).open("a") as handle:
         handle.write("# local change\n")
     problems = patch.check(out)
@@ -233,9 +274,11 @@ def test_check_catches_modified_missing_and_extra_files(originals: Path, tmp_pat
     assert patch.check(out)
 
 
-def test_cli_exit_codes(originals: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_cli_exit_codes(
+    profile_name: str, originals: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     out = tmp_path / "out"
-    args = ["patch", "render", "--profile", PROFILE, "--originals", str(originals)]
+    args = ["patch", "render", "--profile", profile_name, "--originals", str(originals)]
     assert main([*args, "--out", str(out), "--var", "staging_slots=3"]) == 0
     assert "    staging_slots = 3\n" in (out / ADDED).read_text()
     assert main(["patch", "check", str(out)]) == 0
@@ -249,15 +292,15 @@ def test_cli_exit_codes(originals: Path, tmp_path: Path, capsys: pytest.CaptureF
     assert main([*args, "--out", str(tmp_path / "o2"), "--var", "lookahead_mib"]) == 1
     assert main([*args, "--out", str(tmp_path / "o3"), "--profile", "vllm-9.99"]) == 1
     with pytest.raises(SystemExit) as usage:
-        main(["patch", "render", "--profile", PROFILE])
+        main(["patch", "render", "--profile", profile_name])
     assert usage.value.code == 2
 
 
 def test_check_compile_compiles_every_file(
-    originals: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+    profile_name: str, originals: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     out = tmp_path / "out"
-    patch.render(PROFILE, originals, out)
+    patch.render(profile_name, originals, out)
     assert main(["patch", "check", "--compile", str(out)]) == 0
     assert "every file matches manifest.json and compiles" in capsys.readouterr().out
     # a file that matches its manifest but does not compile (as if rendered for another Python)

@@ -69,7 +69,7 @@ def tp_results(vllm_venv: Path, vllm_originals: Path, tmp_path_factory) -> Itera
     rendered = work / "rendered"
     # no lookahead: which pages a run reads is then fixed by its steps alone (the lookahead's
     # advice runs on its own thread; tests/runtime covers it for a rank's rows)
-    patch.render("vllm-0.33", vllm_originals, rendered, {"lookahead_mib": "0"})
+    patch.render(patch.DEFAULT_PROFILE, vllm_originals, rendered, {"lookahead_mib": "0"})
     single, rank0, rank1 = [], [], []
     for quant in QUANTS:
         snapshot = synth_checkpoint(
@@ -221,7 +221,7 @@ def release_results(
     agree in everything but the release their units name."""
     work = tmp_path_factory.mktemp("ple-tp-release")
     rendered = work / "rendered"
-    patch.render("vllm-0.33", vllm_originals, rendered, {"lookahead_mib": "0"})
+    patch.render(patch.DEFAULT_PROFILE, vllm_originals, rendered, {"lookahead_mib": "0"})
     snapshot = synth_checkpoint(work / "snapshot", quant="fp8", vocab_base=300, files=2, seed=20)
     ranks: list[list[str]] = [[], []]
     for node, cases in enumerate(ranks):

@@ -1,4 +1,5 @@
-"""Integration with the real vLLM 0.33.0 package on CPU: stock PLE vs the patched backend."""
+"""Integration with the real vLLM packages on CPU, each release a profile names (0.34.0, the
+default, and 0.33.0) against its own profile: stock PLE vs the patched backend."""
 
 from __future__ import annotations
 
@@ -16,12 +17,16 @@ from sparkple.builder.build import build_table
 from sparkple.builder.synth import synth_checkpoint
 from sparkple.runtime.stats import parse
 
+from .conftest import Release
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "harness" / "ple_equivalence.py"
 LOOKAHEAD_MIB = 2
 
 
-def run_equivalence(vllm_venv: Path, vllm_originals: Path, work: Path, device: str) -> dict:
+def run_equivalence(
+    vllm_venv: Path, vllm_originals: Path, work: Path, device: str, profile: str
+) -> dict:
     """Both quantizations in one run of the script (vLLM imports once)."""
     cases = []
     # NVFP4 with a table big enough (86 MiB) that reading it during the load shows in RSS
@@ -34,7 +39,7 @@ def run_equivalence(vllm_venv: Path, vllm_originals: Path, work: Path, device: s
         cases.append(f"{snapshot}={table}")
     rendered = work / "rendered"
     # a 2 MiB lookahead window (512 pages): the test's long prompts span many windows
-    patch.render("vllm-0.33", vllm_originals, rendered, {"lookahead_mib": str(LOOKAHEAD_MIB)})
+    patch.render(profile, vllm_originals, rendered, {"lookahead_mib": str(LOOKAHEAD_MIB)})
     result_path = work / "result.json"
     # sparkple comes from this checkout, as the serving container's PYTHONPATH mount provides it
     # and the PLE counters go where the service mounts its stats directory
@@ -56,8 +61,9 @@ def run_equivalence(vllm_venv: Path, vllm_originals: Path, work: Path, device: s
 
 
 @pytest.fixture(scope="module")
-def results(vllm_venv: Path, vllm_originals: Path, tmp_path_factory) -> dict:
-    return run_equivalence(vllm_venv, vllm_originals, tmp_path_factory.mktemp("ple-cpu"), "cpu")
+def results(release: Release, tmp_path_factory) -> dict:
+    work = tmp_path_factory.mktemp(f"ple-cpu-{release.version}")
+    return run_equivalence(release.python, release.originals, work, "cpu", release.profile)
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +242,13 @@ def test_unservable_settings_are_refused_by_name(results: dict) -> None:
     refusals = results["refusals"]
     assert "--pipeline-parallel-size 2" in refusals["pipeline"]
     assert "--prefill-context-parallel-size 2" in refusals["prefill_context_parallel"]
-    assert "VLLM_USE_V2_MODEL_RUNNER=0" in refusals["v1_runner"]
+    # what one release refuses alone (sparkple/vllm/releases.py): 0.33's V1 runner, 0.34's own
+    # disk offload beside the packed table
+    if "v1_runner" in refusals:
+        assert "VLLM_USE_V2_MODEL_RUNNER=0" in refusals["v1_runner"]
+    else:
+        assert "disk_offload" in refusals["disk_offload"]
+        assert "drop disk_offload" in refusals["disk_offload"]
     # tensor parallelism: a pair is served, larger groups and other PLE splits are not
     assert "--tensor-parallel-size 4" in refusals["tensor_parallel_4"]
     assert "--enable-hc-sp" in refusals["sequence_parallel"]
@@ -317,7 +329,7 @@ def test_cuda_path_equals_vllms_triton_kernel(
         f"{seen.stderr.strip()[-400:]}): run it with a vLLM install that has them "
         "(make gpu-check sets SPARKPLE_VLLM_PYTHON)"
     )
-    results = run_equivalence(vllm_venv, vllm_originals, tmp_path, "cuda")
+    results = run_equivalence(vllm_venv, vllm_originals, tmp_path, "cuda", patch.DEFAULT_PROFILE)
     for result in (results["nvfp4"], results["fp8"]):
         assert result["device"] == "cuda"
         assert result["patched_backend"] == "Qwen4ExpPLEPackedTableEmbedding"
