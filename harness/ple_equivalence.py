@@ -36,6 +36,8 @@ from harness.ple_layer import (
     as_tensors,
     build,
     counters,
+    disk_offload_layer,
+    disk_offload_step,
     forward,
     in_forward,
     kernel_order_step,
@@ -73,6 +75,12 @@ def compare(stock_module, patched, state_module, snapshot: Path, table_dir: Path
     }
     stock_layer = stock_layers["float32"]
     result["stock_backend"] = type(stock_layer.ngram_embedding).__name__
+    # vLLM 0.34's own disk offload, a second reference (none in 0.33)
+    disk_layers = {
+        k: disk_offload_layer(stock_module, config, snapshot, prefix, d) for k, d in dtypes.items()
+    }
+    disk_layers = {k: layer for k, layer in disk_layers.items() if layer is not None}
+    result["disk_offload"] = bool(disk_layers)
     result["stock_resident_bytes"] = resident_bytes(stock_layer)
     result["stock_load_rss_growth"] = stock_layer.load_rss_growth
     result["stock_shard_tensors_read"] = shard_reads(stock_layer)
@@ -144,6 +152,7 @@ def compare(stock_module, patched, state_module, snapshot: Path, table_dir: Path
     state = model_state(state_module, torch.nn.ModuleList(patched_layers.values()), config)
     runner = Runner(state)
     steps: dict[str, list] = {k: [] for k in dtypes}
+    disk_steps: dict[str, list] = {k: [] for k in disk_layers}
     result["compiled_steps"] = {}
     result["synced_steps"] = []
     for name, scheduled, padding in schedule(runner, vocab, eos):
@@ -162,6 +171,10 @@ def compare(stock_module, patched, state_module, snapshot: Path, table_dir: Path
                 else theirs
             )
             steps[key].append((name, ours[:real], theirs[:real], kernel[:real], ours[real:]))
+            if key in disk_layers:
+                disk = disk_offload_step(stock_module, disk_layers[key], input_ids, qsl, ctx)
+                # NVFP4: both decoded in the order of vLLM's CUDA kernel; FP8: as the layer reads
+                disk_steps[key].append((name, ours[:real], disk[:real], kernel[:real]))
         if name in ("mixed prefill", "uniform decode"):
             # the in-forward path under torch.compile(fullgraph=True), on a prefill-shaped
             # and a decode-shaped step: any graph break or host synchronization raises
@@ -197,6 +210,10 @@ def compare(stock_module, patched, state_module, snapshot: Path, table_dir: Path
         result[f"{key}_chunked_equals_whole"] = bool(
             torch.equal(whole[0], chunked) and torch.equal(stock_whole[0], stock_chunked)
         )
+    for key, done in disk_steps.items():
+        result[f"{key}_disk_identical"] = [bool(torch.equal(o, d)) for _, o, d, _ in done]
+        result[f"{key}_disk_equals_stock"] = [bool(torch.equal(d, k)) for _, _, d, k in done]
+        result[f"{key}_disk_nonzero"] = all(bool(d.abs().sum() > 0) for _, _, d, _ in done)
     result["step_names"] = [n for n, *_ in steps["float32"]]
     # the lookahead of both layers: what it advised, what steps used, what a removal wasted
     for layer in patched_layers.values():

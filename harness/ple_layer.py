@@ -241,6 +241,51 @@ def kernel_order_step(layer, input_ids, query_start_loc, ngram_context) -> torch
     return rows.reshape(input_ids.shape[0], -1)
 
 
+def disk_offload_layer(module, config, snapshot: Path, prefix: str, dtype: torch.dtype):
+    """vLLM's own disk-offload backend (0.34: `--engram-config '{"disk_offload": true}'`),
+    built and loaded as vLLM builds it, or None where the release has none (0.33).
+
+    vLLM refuses disk_offload off CUDA when it validates an EngramConfig, so the flag is set
+    on a validated one; what runs on a CPU is the backend's host half (its file offsets from
+    the loader's mmap views, its reads into the staging planes), as on CUDA.
+    """
+    if not hasattr(module, "Qwen4ExpPLEDiskOffloadEmbedding"):
+        return None
+    from vllm.config import EngramConfig, get_current_vllm_config
+
+    disk = EngramConfig(cpu_offload=False)
+    object.__setattr__(disk, "disk_offload", True)
+    with config_fields(get_current_vllm_config(), engram_config=disk):
+        layer, _ = build(module, config, snapshot, prefix, dtype)
+    assert type(layer.ngram_embedding).__name__ == "Qwen4ExpPLEDiskOffloadEmbedding"
+    return layer
+
+
+def disk_offload_step(module, layer, input_ids, query_start_loc, ngram_context) -> torch.Tensor:
+    """The rows vLLM's disk offload gives the forward of a step: its `stage_checkpoint_rows`
+    (what its model state calls before each forward: the ids hashed, copied to the host, the
+    pages advised, one read per distinct row into the staging planes), then the forward: FP8
+    rows as the PLE layer reads them; NVFP4 rows from its staged planes decoded in the order
+    of its CUDA kernel (the decode is a Triton kernel, as the stock rows are: kernel_order_step).
+    """
+    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
+        break_fp4_bytes,
+    )
+
+    embedding = layer.ngram_embedding
+    module.stage_checkpoint_rows([(layer, embedding)], input_ids, query_start_loc, ngram_context)
+    if not embedding._nvfp4:
+        return forward(layer, input_ids, query_start_loc, ngram_context)
+    tokens = input_ids.shape[0]
+    codes, scales = (staging[:tokens] for staging, _, _ in embedding._planes.values())
+    rows = codes.shape[0] * codes.shape[1]
+    e2m1 = break_fp4_bytes(codes.reshape(rows, -1), torch.float32)
+    blocks = e2m1.reshape(rows, -1, 16) * scales.reshape(rows, -1).float().unsqueeze(-1)
+    rows = blocks * embedding.weight_scale_2.float().reshape(())
+    # the kernel writes the layer's dtype
+    return rows.reshape(tokens, -1).to(embedding.params_dtype)
+
+
 def stock_rows(stock, input_ids, query_start_loc, ngram_context, dtype) -> torch.Tensor:
     """Stock vLLM's rows of a step, the reference of the GPU checks: its own lookup on CUDA;
     on the CPU its device backend's rows in the order its CUDA kernel multiplies the scales."""

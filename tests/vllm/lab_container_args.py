@@ -1,4 +1,4 @@
-"""The arguments the lab's serving container really received, through vLLM 0.33.0's parser.
+"""The arguments the lab's serving container really received, through vLLM 0.34.0's parser.
 
 Run by molecule/default's verify with SPARKPLE_LAB_SERVE_ARGS naming the lab-args.json it wrote
 (the container's Path and Args after systemd and docker, the plan's recipe): not a test_*.py
@@ -34,7 +34,7 @@ def test_lab_container_args(vllm_venv: Path, tmp_path: Path) -> None:
         write_tokenizer(Path(lab["config_dir"]))
     case = {"args": args, "config_dir": lab.get("config_dir")}
     result = run_check(vllm_venv, {"lab": case}, tmp_path)["cases"]["lab"]
-    assert result["unknown"] == [], f"vLLM 0.33.0 does not know {result['unknown']}"
+    assert result["unknown"] == [], f"vLLM 0.34.0 does not know {result['unknown']}"
     assert result["error"] is None, result["error"]
     recipe = lab["recipe"]
     # the lab serves the production recipe (only budget knobs and GPU flags differ)

@@ -1,4 +1,4 @@
-"""The command lines a lab pair's two servers really run, through vLLM 0.33.0's parser.
+"""The command lines a lab pair's two servers really run, through vLLM 0.34.0's parser.
 
 Run by molecule/fleet's verify (verify_pair.yml) with SPARKPLE_LAB_PAIR_ARGS naming the
 pair-args.json it wrote (each node's argv from /proc, after systemd): not a test_*.py file, so a
@@ -43,7 +43,7 @@ def test_lab_pair_args(vllm_venv: Path, tmp_path: Path) -> None:
     }
     results = run_check(vllm_venv, cases, tmp_path)["cases"]
     for side, result in results.items():
-        assert result["unknown"] == [], f"vLLM 0.33.0 does not know {result['unknown']} ({side})"
+        assert result["unknown"] == [], f"vLLM 0.34.0 does not know {result['unknown']} ({side})"
         assert result["error"] is None, f"{side}: {result['error']}"
         assert result["values"]["distributed_executor_backend"] == "mp", side
     head, worker = cases["head"]["args"], cases["worker"]["args"]

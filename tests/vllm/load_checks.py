@@ -6,7 +6,7 @@ Usage: python load_checks.py cpu RENDERED_DIR RESULT_JSON SNAPSHOT=TABLE [SNAPSH
    vLLM's own load_weights and process_weights_after_loading (what vLLM's loader runs before
    it profiles), with every rendered file laid over the package; records whether the start
    stopped there and with which message.
-2. Load settings: the patched layer is constructed under each load setting vLLM 0.33 offers
+2. Load settings: the patched layer is constructed under each load setting vLLM (0.33, 0.34) offers
    (format, safetensors strategy, multi-thread loading), recording what it refuses.
 3. Row-shard bytes per strategy: the first snapshot's files are evicted from the page cache,
    vLLM's own safetensors iterator (the loader's path for safetensors) runs with the patched

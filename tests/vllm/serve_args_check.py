@@ -1,4 +1,4 @@
-"""Parse a `vllm serve` argument list with vLLM 0.33.0's own parser (run in the vLLM test venv).
+"""Parse a `vllm serve` argument list with vLLM 0.34.0's own parser (run in the vLLM test venv).
 
 Usage: serve_args_check.py REQUEST.json RESULT.json
 REQUEST: {"cases": {NAME: {"args": [...], "config_dir": "<a local snapshot dir or null>"}}}

@@ -1,4 +1,4 @@
-"""At start, with vLLM 0.33.0's own loader code: the table checked against the checkpoint,
+"""At start, with vLLM 0.34.0's own loader code: the table checked against the checkpoint,
 the load settings that would read the row shards refused, and the row-shard bytes read."""
 
 from __future__ import annotations

@@ -76,6 +76,12 @@ def equivalence_fp8(results: dict) -> dict:
     return results["fp8"]
 
 
+def test_each_release_is_compared_with_its_own_backends(release: Release, results: dict) -> None:
+    """0.34 brings its own disk offload, a second reference; 0.33 has none."""
+    for quant in ("nvfp4", "fp8"):
+        assert results[quant]["disk_offload"] == (release.version != "0.33.0")
+
+
 def test_stock_path_is_vllms_device_backend(equivalence: dict) -> None:
     assert equivalence["stock_backend"] == "Qwen4ExpPLEDeviceEmbedding"
     # the rows are resident, and loading them read every shard
@@ -166,6 +172,13 @@ def test_steps_through_vllms_model_state_equal_stock(equivalence: dict) -> None:
         # rows of CUDA-graph padding tokens are zeros (stock computes rows for them too)
         assert equivalence[f"{dtype}_padding_rows_zero"]
         assert equivalence[f"{dtype}_chunked_equals_whole"]
+    # vLLM 0.34's own disk offload (its host half, the CPU's share of it) stages the same rows
+    # at every step: the packed table gives what it gives, bit for bit
+    if equivalence["disk_offload"]:
+        for dtype in ("float32", "bfloat16"):
+            assert equivalence[f"{dtype}_disk_nonzero"]
+            assert all(equivalence[f"{dtype}_disk_equals_stock"])
+            assert all(equivalence[f"{dtype}_disk_identical"])
     # vLLM's CPU path multiplies the two scales first: one float32 rounding apart at most,
     # and (on this data) equal once rounded to bfloat16
     assert equivalence["float32_max_rel_diff"] <= 2.0**-23
@@ -225,6 +238,10 @@ def test_fp8_table_equals_stock(equivalence_fp8: dict) -> None:
     for dtype in ("float32", "bfloat16"):
         assert result[f"{dtype}_nonzero"]
         assert all(result[f"{dtype}_identical"]), result[f"{dtype}_max_abs_diff"]
+        if result["disk_offload"]:  # vLLM 0.34's own disk offload: the same rows, bit for bit
+            assert result[f"{dtype}_disk_nonzero"]
+            assert all(result[f"{dtype}_disk_identical"])
+            assert all(result[f"{dtype}_disk_equals_stock"])
         assert result[f"{dtype}_padding_rows_zero"]
         assert result[f"{dtype}_chunked_equals_whole"]
 
