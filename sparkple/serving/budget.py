@@ -5,6 +5,8 @@
   - the budget (docs/reference-deployment.md#memory-budget):
         weights = snapshot - table (- MTP weights when MTP is off)
         fixed   = weights + overhead (+ MTP runtime when MTP is on)
+                  (+ the table with sparkple_ple_backend vllm-pinned: vLLM's pinned-host
+                  backend pins the whole table in host memory, the unified memory of a GB10)
         KV need = max_model_len x 29,482 B/token (BF16 KV; x 0.58 with fp8)
         wish    = fixed + max(KV need, KV target)
         budget  = min(wish, MemTotal - reserve)
@@ -14,10 +16,11 @@
   - the launch gate: MemAvailable >= container memory + margin, right before each start.
 
 A pair (two Sparks at TP 2, one rank each) is budgeted per rank: each rank holds half the
-weights (vLLM shards every layer, the MTP layers included, across the TP group); the PLE rows
-stay on NVMe either way, and the overhead, the MTP runtime and the KV need are kept at the
-single-Spark figures (measured on one Spark; the KV heads are split across the ranks too, so
-the KV need is an upper bound per rank).
+weights (vLLM shards every layer, the MTP layers included, across the TP group; vllm-pinned pins
+half the table on each, the rank's rows); the PLE rows stay on NVMe otherwise, and the
+overhead, the MTP runtime and the KV need are kept at the single-Spark figures (measured on
+one Spark; the KV heads are split across the ranks too, so the KV need is an upper bound per
+rank).
 
 Standard library only: the role runs it with the host's python3.
 """
@@ -32,7 +35,7 @@ from typing import Any
 from ..builder.safetensors_io import INDEX_NAME, Snapshot
 from ..geometry import text_config
 from ..meminfo import MEMINFO, read_meminfo
-from .recipe import Recipe, ServingError, _var
+from .recipe import PLE_BACKEND_KNOB, Recipe, ServingError, _var
 
 GIB = 1024**3
 MIB = 1024**2
@@ -125,10 +128,15 @@ class Budget:
     kv_left_gib: float
     container_memory_mib: int
     launch_need_mib: int
+    # the PLE table pinned in host memory (sparkple_ple_backend vllm-pinned), part of fixed
+    pinned_table_gib: float = 0.0
 
     def summary(self) -> str:
+        pinned = self.pinned_table_gib
         return (
-            f"MemTotal {self.mem_total_gib:.2f} GiB; weights {self.weights_gib:.2f} + fixed "
+            f"MemTotal {self.mem_total_gib:.2f} GiB; weights {self.weights_gib:.2f} + "
+            + (f"pinned PLE table {pinned:.2f} + " if pinned else "")
+            + f"fixed "
             f"-> {self.fixed_gib:.2f} GiB; KV need {self.kv_need_gib:.2f} GiB; wish "
             f"{self.wish_gib:.2f} GiB; budget {self.budget_gib:.2f} GiB "
             f"(gpu_memory_utilization {self.gpu_memory_utilization}); KV left "
@@ -168,7 +176,12 @@ def compute_budget(
     if not recipe.mtp_depth:
         weights_b -= sizes.mtp_bytes
     weights = weights_b / tp_size / GIB
-    fixed = weights + knobs.overhead_gib + (knobs.mtp_runtime_gib if recipe.mtp_depth else 0.0)
+    # vLLM's pinned-host backend pins the rank's rows of the table in host memory, which on a
+    # GB10 is the GPU's memory too; the packed table and vLLM's disk offload read them from NVMe
+    pinned = sizes.table_bytes / tp_size / GIB if recipe.ple_backend == "vllm-pinned" else 0.0
+    fixed = (
+        weights + pinned + knobs.overhead_gib + (knobs.mtp_runtime_gib if recipe.mtp_depth else 0.0)
+    )
     kv_need = kv_need_bytes(recipe.max_model_len, recipe.kv_cache_dtype) / GIB
     wish = fixed + max(kv_need, knobs.kv_target_gib)
     cap = mem_total - knobs.reserve_gib
@@ -179,17 +192,37 @@ def compute_budget(
     kv_left = effective - fixed
     numbers = (
         f"MemTotal {mem_total:.2f} GiB - reserve {knobs.reserve_gib:g} GiB caps the budget at "
-        f"{cap:.2f} GiB; weights {weights:.2f} GiB + overhead "
-        f"{knobs.overhead_gib:g} GiB"
+        f"{cap:.2f} GiB; weights {weights:.2f} GiB + "
+        + (
+            f"the PLE table pinned in host memory {pinned:.2f} GiB ({PLE_BACKEND_KNOB} "
+            "vllm-pinned) + "
+            if pinned
+            else ""
+        )
+        + f"overhead {knobs.overhead_gib:g} GiB"
         + (f" + MTP {knobs.mtp_runtime_gib:g} GiB" if recipe.mtp_depth else "")
         + f" = {fixed:.2f} GiB fixed"
+    )
+    # what to change when vllm-pinned's table is what does not fit
+    unpin = (
+        f" {PLE_BACKEND_KNOB} vllm-pinned pins "
+        + ("the whole PLE table" if tp_size == 1 else "the rank's half of the PLE table")
+        + f" ({pinned:.2f} GiB) in host memory beside the weights: set {PLE_BACKEND_KNOB}: "
+        "packed or vllm-disk (the rows read from NVMe)"
+        + (
+            ", or serve vllm-pinned on a pair (half the table on each Spark)."
+            if tp_size == 1
+            else "."
+        )
+        if pinned
+        else ""
     )
     if util <= 0 or kv_left < kv_need:
         raise ServingError(
             f"the KV cache left ({kv_left:.2f} GiB) cannot hold max_model_len "
             f"{recipe.max_model_len} ({kv_need:.2f} GiB at kv_cache_dtype "
-            f"{recipe.kv_cache_dtype}): {numbers}. Lower vllm_service_max_model_len, set "
-            "vllm_service_kv_cache_dtype to fp8, or lower vllm_service_memtotal_reserve_gib "
+            f"{recipe.kv_cache_dtype}): {numbers}.{unpin} Lower vllm_service_max_model_len, "
+            "set vllm_service_kv_cache_dtype to fp8, or lower vllm_service_memtotal_reserve_gib "
             "if the host really needs less"
         )
     container = effective + knobs.slack_gib
@@ -198,7 +231,7 @@ def compute_budget(
         raise ServingError(
             f"the container memory ({container:.2f} GiB = budget {effective:.2f} + slack "
             f"{knobs.slack_gib:g}) is above MemTotal {mem_total:.2f} - host floor "
-            f"{knobs.host_floor_gib:g} = {ceiling:.2f} GiB: {numbers}. Raise "
+            f"{knobs.host_floor_gib:g} = {ceiling:.2f} GiB: {numbers}.{unpin} Raise "
             "vllm_service_memtotal_reserve_gib or lower vllm_service_memory_slack_gib"
         )
     container_mib = math.ceil(container * 1024)
@@ -213,6 +246,7 @@ def compute_budget(
         kv_left_gib=round(kv_left, 3),
         container_memory_mib=container_mib,
         launch_need_mib=container_mib + math.ceil(knobs.launch_margin_gib * 1024),
+        pinned_table_gib=round(pinned, 3),
     )
 
 

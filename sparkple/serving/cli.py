@@ -100,9 +100,13 @@ def plan(
     knobs: BudgetKnobs,
     mem_total_bytes: int,
     pair: PairRank | None = None,
+    patch_profile: str = "",
 ) -> dict[str, Any]:
-    """The recipe and knobs as typed, the sizes, the budget, its summary and vLLM's argv (with
-    a pair: this rank's, and a `pair` entry); ServingError when it cannot work."""
+    """The recipe and knobs as typed, the sizes, the budget, its summary, vLLM's argv (with
+    a pair: this rank's, and a `pair` entry) and the PLE backend the unit serves (`ple_backend`:
+    whether the packed table is mounted and named by SPARKPLE_PLE_TABLE_DIR); ServingError when
+    it cannot work. patch_profile: the vLLM patch profile (its vLLM bounds the backends)."""
+    recipe.check_backend(patch_profile)
     sizes = snapshot_sizes(snapshot)
     recipe.check(sizes.mtp_layers)
     pair_args = pair.args() if pair else []
@@ -119,6 +123,11 @@ def plan(
         "budget": asdict(budget),
         "summary": summary,
         "argv": recipe.argv(budget.gpu_memory_utilization, sizes.rope_parameters, pair_args),
+        "ple_backend": {
+            "name": recipe.ple_backend,
+            "packed_table": recipe.packed_table,
+            "patch_profile": patch_profile,
+        },
     }
     return {**result, "pair": pair.describe()} if pair else result
 
@@ -141,7 +150,7 @@ def _plan_cmd(args: argparse.Namespace) -> int:
         )
     if all(given):
         pair = PairRank(args.pair_rank, args.master_addr, args.master_port)
-    result = plan(Path(args.snapshot), recipe, knobs, total, pair)
+    result = plan(Path(args.snapshot), recipe, knobs, total, pair, args.patch_profile)
     print(json.dumps(result, indent=None if args.json else 2))
     return EXIT_OK
 
@@ -166,6 +175,11 @@ def add_parser(sub: Any, name: str) -> None:
         )
         p.add_argument("--master-addr", default="", help="a pair's head link address")
         p.add_argument("--master-port", type=int, help="a pair's rendezvous port on the head")
+        p.add_argument(
+            "--patch-profile",
+            default="",
+            help="the vLLM patch profile (vllm-0.34; its vLLM bounds the PLE backends)",
+        )
         p.set_defaults(func=_plan_cmd)
     else:
         p = sub.add_parser(name, help="refuse a launch when MemAvailable is too low")

@@ -12,8 +12,10 @@ Standard library only: the role runs it with the host's python3 (`sparkple servi
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from ..errors import SparkpleError
@@ -23,16 +25,32 @@ NATIVE_MAX_MODEL_LEN = 262_144
 YARN_MAX_MODEL_LEN = 524_288
 KV_CACHE_DTYPES = ("auto", "fp8")
 MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
-# vLLM 0.33's CUDAGraphMode names.
+# vLLM 0.33 and 0.34's CUDAGraphMode names.
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 SAFETENSORS_LOAD_STRATEGIES = ("lazy", "eager", "prefetch")
-# The strategies vLLM 0.33's loader reads the PLE row shards with (only lazy asks its per-name
-# skip before it reads a tensor), and why; the vLLM patch refuses them at start as well.
+# The strategies vLLM 0.33 and 0.34's loaders read the PLE row shards with (only lazy asks its
+# per-name skip before it reads a tensor), and why; the vLLM patch refuses them at start as well.
 ROW_SHARD_READING_STRATEGIES = {
     "eager": "reads each whole file, then filters the names",
     "prefetch": "reads every file into the page cache",
 }
 MAX_MTP_DEPTH = 8
+# The PLE table's backends (the site knob sparkple_ple_backend, the role's
+# vllm_service_ple_backend) -> the --engram-config the plan writes for it. packed: sparkple's
+# packed table on NVMe, read through mmap by the patched vLLM (selected by SPARKPLE_PLE_TABLE_DIR,
+# no --engram-config). vLLM's own, for A/B runs on the same unit and checkpoint: vllm-disk, its
+# disk offload (vLLM 0.34 and later; it takes precedence over cpu_offload), and vllm-pinned, its
+# pinned-host table (the whole table pinned in host memory: the budget counts it).
+PLE_BACKENDS: dict[str, dict[str, bool]] = {
+    "packed": {},
+    "vllm-disk": {"disk_offload": True},
+    "vllm-pinned": {"cpu_offload": True},
+}
+PLE_BACKEND_KNOB = "sparkple_ple_backend"
+# The first vLLM with the disk offload (EngramConfig.disk_offload), and where the patch profiles
+# are (the host's package copy holds templates/ too): a profile's vllm_version says its vLLM.
+DISK_OFFLOAD_SINCE = (0, 34)
+PROFILES_DIR = Path(__file__).resolve().parents[2] / "templates" / "vllm"
 
 # How JSON-valued flags are written (one word, no spaces).
 COMPACT: dict[str, Any] = {"separators": (",", ":"), "sort_keys": False}
@@ -49,6 +67,9 @@ class Served:
 
     flags: dict[str, Any]
     words: Callable[[Any], list[str]]
+    # False: extra arguments may give these flags while the field writes none (OWNED_FLAGS
+    # leaves them out; Recipe.check_extra_args refuses them once it writes one)
+    owned: bool = True
 
 
 def _one(flag: str, kind: Any = str, *, unless_empty: bool = False) -> Served:
@@ -75,6 +96,28 @@ def _load_strategy(strategy: str) -> list[str]:
 
 def _cudagraph_mode(mode: str) -> list[str]:
     return ["--compilation-config=" + json.dumps({"cudagraph_mode": mode}, **COMPACT)]
+
+
+def _engram_config(backend: str) -> list[str]:
+    config = PLE_BACKENDS.get(backend)
+    return [f"--engram-config={json.dumps(config, **COMPACT)}"] if config else []
+
+
+def profile_vllm_version(profile: str) -> tuple[int, int] | None:
+    """The vLLM (major, minor) of a patch profile: its profile.yml's vllm_version (a profile is
+    named, under templates/vllm/, or given as a path), else its name's `vllm-X.Y`; None when
+    neither says (no profile: the image's vLLM unpatched)."""
+    if not profile:
+        return None
+    where = Path(profile) if "/" in profile else PROFILES_DIR / profile
+    found = None
+    if (where / "profile.yml").is_file():
+        text = (where / "profile.yml").read_text()
+        found = re.search(r"^vllm_version:\s*[\"']?(\d+)\.(\d+)", text, re.M)
+    found = found or re.search(r"\bvllm-(\d+)\.(\d+)", where.name)
+    if found:
+        return int(found.group(1)), int(found.group(2))
+    return None
 
 
 def _var(name: str, default: Any = None, served: Served | None = None, owner: str = "") -> Any:
@@ -139,7 +182,23 @@ class Recipe:
         "FULL_DECODE_ONLY",
         Served({"--compilation-config": "json"}, _cudagraph_mode),
     )
+    # a factory, not a literal default: the role's default is the site knob's,
+    # "{{ sparkple_ple_backend | default('packed') }}", which resolves to this one
+    ple_backend: str = field(
+        default_factory=lambda: "packed",
+        metadata={
+            "var": "vllm_service_ple_backend",
+            "served": Served({"--engram-config": "json"}, _engram_config, owned=False),
+            "owner": f"{PLE_BACKEND_KNOB} (vllm_service_ple_backend)",
+        },
+    )
     extra_args: tuple[str, ...] = _var("vllm_service_extra_args", ())
+
+    @property
+    def packed_table(self) -> bool:
+        """Whether sparkple's packed table serves the PLE rows (SPARKPLE_PLE_TABLE_DIR, the
+        table mounted), rather than one of vLLM's own backends."""
+        return self.ple_backend == "packed"
 
     def check(self, mtp_layers: int | None = None) -> None:
         """Refuse values vLLM or the PLE path cannot take, naming the variable to change."""
@@ -216,7 +275,29 @@ class Recipe:
             )
         if mtp_layers == 0 and self.mtp_depth:
             raise bad("mtp_depth", self.mtp_depth, "the checkpoint has no MTP layers: set 0")
+        if self.ple_backend not in PLE_BACKENDS:
+            raise ServingError(
+                f"{PLE_BACKEND_KNOB} (vllm_service_ple_backend) is {self.ple_backend!r}: use one "
+                f"of {', '.join(PLE_BACKENDS)}"
+            )
         self.check_extra_args()
+
+    def check_backend(self, patch_profile: str) -> None:
+        """Refuse a PLE backend the vLLM of the patch profile does not have, naming both: vLLM's
+        disk offload came with vLLM 0.34 (the vllm-0.33 profile's EngramConfig has no
+        disk_offload, and vLLM would refuse the key at start)."""
+        if self.ple_backend != "vllm-disk":
+            return
+        version = profile_vllm_version(patch_profile)
+        if version is None or version < DISK_OFFLOAD_SINCE:
+            vllm = f"vLLM {version[0]}.{version[1]}" if version else "its vLLM unknown"
+            raise ServingError(
+                f"{PLE_BACKEND_KNOB} is vllm-disk, but the vLLM patch profile is "
+                f"{patch_profile or 'none'!r} ({vllm}; vllm_patches_profile, "
+                "vllm_service_patch_profile): vLLM's disk offload (--engram-config disk_offload) "
+                "needs vLLM 0.34 or later. Set vllm_patches_profile: vllm-0.34 (with its image), "
+                f"or set {PLE_BACKEND_KNOB}: packed or vllm-pinned"
+            )
 
     def check_extra_args(self) -> None:
         for arg in self.extra_args:
@@ -235,6 +316,14 @@ class Recipe:
                     f"vllm_service_extra_args sets {flag}, which the recipe sets from "
                     f"{OWNED_FLAGS[flag]}: change that instead and remove {arg!r}"
                 )
+            if not self.packed_table and flag.startswith("--engram-config"):
+                written = _engram_config(self.ple_backend)[0]
+                raise ServingError(
+                    f"vllm_service_extra_args has {arg!r}, but the plan writes {written} for "
+                    f"{PLE_BACKEND_KNOB} {self.ple_backend} (a second --engram-config would "
+                    f"replace it): remove {arg!r} from vllm_service_extra_args, or set "
+                    f"{PLE_BACKEND_KNOB}: packed"
+                )
         self.check_ple_servable()
 
     def check_ple_servable(self) -> None:
@@ -250,6 +339,17 @@ class Recipe:
             flag = short.get(name, name.replace("_", "-"))
             if flag not in PLE_UNSERVABLE:
                 following = args[i + 1 : i + 2]
+                if (
+                    self.packed_table
+                    and flag.startswith("--engram-config")
+                    and _turns_on(arg, following, "disk_offload")
+                ):
+                    raise ServingError(
+                        f"vllm_service_extra_args has {arg!r}: vLLM's disk offload beside the "
+                        f"packed PLE table ({PLE_BACKEND_KNOB} packed) is two backends for one "
+                        "table: drop disk_offload from vllm_service_extra_args, or set "
+                        f"{PLE_BACKEND_KNOB}: vllm-disk"
+                    )
                 if flag.startswith("--engram-config") and _turns_on(
                     arg, following, "embedding_across_dp"
                 ):
@@ -281,8 +381,8 @@ class Recipe:
     def yarn_overrides(self, rope: dict[str, Any] | None) -> dict[str, Any] | None:
         """--hf-overrides for a context above the native one (the checkpoint's rope kept).
 
-        vLLM 0.33 does not multiply max_position_embeddings by a YaRN factor (it takes it as
-        already scaled, as Transformers' YaRN does), so the scaled length goes in with it;
+        vLLM 0.33 and 0.34 do not multiply max_position_embeddings by a YaRN factor (they take
+        it as already scaled, as Transformers' YaRN does), so the scaled length goes in with it;
         without it vLLM's ModelConfig refuses the max_model_len."""
         if self.max_model_len <= NATIVE_MAX_MODEL_LEN:
             return None
@@ -347,7 +447,8 @@ PAIR_FLAGS: dict[str, Any] = {
     "--headless": None,
 }
 PAIR_OWNER = "the pair (sparkple_pair and sparkple_pair_*; docs/two-sparks.md)"
-# vLLM 0.33's short forms of the pair's flags (engine/arg_utils.py; -tp: PLE_UNSERVABLE below).
+# vLLM 0.33 and 0.34's short forms of the pair's flags (engine/arg_utils.py; -tp: PLE_UNSERVABLE
+# below).
 PAIR_SHORT = {"-n": "--nnodes", "-r": "--node-rank"}
 
 # Every flag the plan may write: flag -> how vLLM reads its value (None: a switch).
@@ -367,7 +468,7 @@ OWNED_FLAGS: dict[str, str] = {
     **{
         flag: f.metadata["owner"]
         for f in fields(Recipe)
-        if f.metadata["served"] is not None
+        if f.metadata["served"] is not None and f.metadata["served"].owned
         for flag in f.metadata["served"].flags
     },
     **{flag: owner for flag, (_, owner) in PLAN_FLAGS.items()},

@@ -219,3 +219,46 @@ def test_a_deploy_hands_the_service_its_release_id_and_manifest_hash(site: Path)
     environment = re.findall(r"^Environment=(\w+)=(.*)$", (site / "lab.service").read_text(), re.M)
     assert ("SPARKPLE_RELEASE_ID", a["id"]) in environment
     assert ("SPARKPLE_PATCH_MANIFEST_SHA256", manifest_sha256) in environment
+
+
+def test_the_ple_backend_is_part_of_the_release(site: Path) -> None:
+    """An A/B release (sparkple_ple_backend vllm-disk or vllm-pinned) has an id of its own and
+    hands its backend and patch profile to vllm_service; a packed release keeps the id it had
+    before the knob (nothing recorded); vllm-disk under the vllm-0.33 profile is refused before
+    anything is staged."""
+    vllm_service = site / "roles" / "vllm_service" / "tasks"
+    vllm_service.mkdir(parents=True)
+    (vllm_service / "main.yml").write_text(
+        "- ansible.builtin.copy:\n"
+        "    content: \"{{ {'backend': vllm_service_ple_backend | default('UNSET'),\n"
+        "                   'profile': vllm_service_patch_profile | default('UNSET')}\n"
+        '                  | to_json }}"\n'
+        f"    dest: {site / 'vllm_service.json'}\n"
+        "    mode: '0644'\n"
+    )
+    packed, _ = run(site)
+    assert run(site, sparkple_ple_backend="packed")[0]["id"] == packed["id"]
+    recorded = json.loads((site / "releases" / packed["id"] / "release.json").read_text())
+    assert recorded["inputs"]["service"] == {"extra_args": []}
+    ids = {packed["id"]}
+    for backend in ("vllm-disk", "vllm-pinned"):
+        made, _ = run(site, "activate", sparkple_ple_backend=backend,
+                      release_patch_profile="vllm-0.34")  # fmt: skip
+        assert made["id"] not in ids
+        ids.add(made["id"])
+        inputs = json.loads((site / "releases" / made["id"] / "release.json").read_text())
+        assert inputs["inputs"]["service"] == {"extra_args": [], "ple_backend": backend}
+        run(site, "deploy", sparkple_ple_backend=backend, release_patch_profile="vllm-0.34",
+            release_service_role="vllm_service")  # fmt: skip
+        handed = json.loads((site / "vllm_service.json").read_text())
+        assert handed == {"backend": backend, "profile": "vllm-0.34"}
+    staged = sorted(p.name for p in (site / "releases").iterdir())
+    refused = r"vllm-disk, but the release's vLLM patch profile is vllm-0\.33 .*needs vLLM 0\.34"
+    with pytest.raises(AssertionError, match=f"sparkple_ple_backend is {refused}"):
+        run(site, sparkple_ple_backend="vllm-disk")
+    assert sorted(p.name for p in (site / "releases").iterdir()) == staged
+    # the role's argument spec names the choices
+    with pytest.raises(
+        AssertionError, match="release_ple_backend must be one of: packed, vllm-disk"
+    ):
+        run(site, sparkple_ple_backend="vllm-nvme")

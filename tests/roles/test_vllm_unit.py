@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,8 @@ from sparkple.serving.recipe import Recipe
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = ROOT / "roles" / "vllm_service"
 RELEASE, MANIFEST = "1f0c2a9be47d3e55", "c0ffee" + "0" * 58
+# hosts whose unit serves vLLM's own PLE backend (sparkple_ple_backend) instead of the packed table
+BACKENDS = {"spark-e": "vllm-disk", "spark-f": "vllm-pinned"}
 
 
 def exec_start(unit: str) -> list[str]:
@@ -67,14 +70,18 @@ def units(tmp_path_factory) -> dict[str, str]:
         ),
         "spark-c": {"vllm_patches_manifest_sha256": MANIFEST},  # the hash by vllm_patches' fact
         "spark-d": {},  # unpatched, outside a rollout
+        # spark-c's unit with vLLM's own PLE backends, for A/B runs (sparkple_ple_backend)
+        **{host: {"vllm_patches_manifest_sha256": MANIFEST} for host in BACKENDS},
     }
     # the id and the hash as the release role's deploy hands them (spark-c: the id only)
-    for host in ("spark-a", "spark-b", "spark-c"):
+    for host in ("spark-a", "spark-b", "spark-c", *BACKENDS):
         hosts[host]["vllm_service_release_id"] = RELEASE
     for host in ("spark-a", "spark-b"):
         hosts[host]["vllm_service_patch_manifest_sha256"] = MANIFEST
     for host, hv in hosts.items():
-        the_plan = plan(snapshot, recipe, BudgetKnobs(), memtotal, ranks.get(host))
+        backend = BACKENDS.get(host, "packed")
+        the_plan = plan(snapshot, replace(recipe, ple_backend=backend), BudgetKnobs(), memtotal,
+                        ranks.get(host), patch_profile="vllm-0.34")  # fmt: skip
         hv.update(local, vllm_service_plan=the_plan)
     (work / "hosts.json").write_text(json.dumps({"sparks": {"hosts": hosts}}))
     # the role's defaults and vars below the host vars, as the role's defaults are
@@ -208,3 +215,29 @@ def budgetless(words: list[str]) -> list[str]:
             w = "<budget>"
         out.append("--gpu-memory-utilization=<budget>" if w.startswith("--gpu-memory-") else w)
     return out
+
+
+def test_vllms_own_backends_drop_the_packed_table_and_add_their_engram_config(
+    units: dict[str, str],
+) -> None:
+    """An A/B unit is the packed one less SPARKPLE_PLE_TABLE_DIR and the table's mount, plus the
+    backend's --engram-config; the patches stay mounted (inert without the variable)."""
+    packed = exec_start(units["spark-c"])
+    table = "/ple/table"
+    assert "--env" in packed and f"SPARKPLE_PLE_TABLE_DIR={table}" in pairs(packed, "--env")
+    (table_mount,) = [v for v in pairs(packed, "--volume") if v.endswith(f":{table}:ro")]
+    assert not [w for w in packed if w.startswith("--engram-config")]
+    for host, engram in (("spark-e", '{"disk_offload":true}'), ("spark-f", '{"cpu_offload":true}')):
+        words = exec_start(units[host])
+        env = dict(e.split("=", 1) for e in pairs(words, "--env"))
+        assert "SPARKPLE_PLE_TABLE_DIR" not in env and table_mount not in pairs(words, "--volume")
+        assert env["SPARKPLE_RELEASE_ID"] == RELEASE and env["PYTHONPATH"] == "/opt/sparkple"
+        assert [w for w in words if w.startswith("--engram-config")] == [
+            f"--engram-config={engram}"
+        ]
+        added = [[f"--engram-config={engram}"]]
+        removed = [["--env", f"SPARKPLE_PLE_TABLE_DIR={table}"], ["--volume", table_mount]]
+        assert budgetless(without(words, added)) == budgetless(without(packed, removed))
+        name = BACKENDS[host]
+        assert f"with vLLM's own PLE backend {name} (an A/B run: no packed table)." in units[host]
+    assert "with the PLE table read from NVMe." in units["spark-c"]
