@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ansible_local import run_playbook
+from ansible_local import ansible_playbook, run_playbook
 from hf_snapshot import hf_cache_snapshot
 
 pytestmark = pytest.mark.slow  # about 3 s per ansible-playbook run on an idle machine
@@ -262,3 +262,41 @@ def test_the_ple_backend_is_part_of_the_release(site: Path) -> None:
         AssertionError, match="release_ple_backend must be one of: packed, vllm-disk"
     ):
         run(site, sparkple_ple_backend="vllm-nvme")
+
+
+def test_the_rollout_refuses_a_release_its_plan_refuses_before_draining_anything(
+    site: Path, tables: dict[str, Path]
+) -> None:
+    """playbooks/rollout.yml's check play plans the new release's server (recipe, budget, PLE
+    backend) on every host before the canary's drain: a release that asks for vLLM's own disk
+    offload beside the packed table stops the rollout there, with the knob to change."""
+    snapshot = hf_cache_snapshot(site / "model", files=2, seed=1)
+    variables = {
+        "ansible_python_interpreter": sys.executable,
+        "ansible_become": False,
+        "rollout_group": "all",
+        "sparkple_data_dir": str(site),
+        "sparkple_release_dir": str(site / "releases"),
+        "sparkple_table_dir": str(site / "table"),
+        "sparkple_host_python": sys.executable,
+        "model_checkpoint_snapshot_dir": str(snapshot),
+        "release_patch_dir": str(site / "patches"),
+        "release_patch_profile": "vllm-0.34",
+        "release_vllm_path": "/usr/lib/python3/dist-packages/vllm",
+        "release_image": "sha256:" + "a" * 64,
+        "release_name": "A",
+        "release_service_vars": {"extra_args": ['--engram-config={"disk_offload": true}']},
+    }
+    env = dict(os.environ, ANSIBLE_ROLES_PATH=str(ROOT / "roles"))
+    env.pop("ANSIBLE_CONFIG", None)
+    rollout = str(ROOT / "playbooks" / "rollout.yml")
+    proc = subprocess.run(
+        [ansible_playbook(), "-i", "localhost,", "-c", "local", rollout,
+         "-e", json.dumps(variables)],
+        cwd=site, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode != 0, proc.stdout
+    assert "Plan the new release's server, or refuse it before anything is stopped" in proc.stdout
+    assert "drop disk_offload from vllm_service_extra_args" in proc.stdout, proc.stdout[-3000:]
+    assert "PLAY [Canary]" not in proc.stdout, "no host was drained or stopped"
+    assert not (site / "releases").exists() or not any((site / "releases").iterdir())
