@@ -14,7 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..errors import PatchError
-from .profile import PATCH_MARKER, Edit, Profile, load_profile, resolve_variables, sha256_bytes
+from .profile import (
+    PATCH_MARKER,
+    PROFILE_NAME,
+    PROFILES_DIR,
+    Edit,
+    Profile,
+    load_profile,
+    resolve_variables,
+    sha256_bytes,
+)
 
 if TYPE_CHECKING:  # jinja2 is imported only when a profile is rendered
     import jinja2
@@ -90,6 +99,21 @@ def _check_python(rel: str, text: str) -> None:
         ) from None
 
 
+def _profiles_pinning(rel: str, digest: str) -> str:
+    """Where another shipped profile pins this very file: the profile to render instead."""
+    matches = []
+    for directory in sorted(PROFILES_DIR.glob(f"*/{PROFILE_NAME}")):
+        other = load_profile(directory.parent)
+        if other.originals.get(rel) == digest:
+            matches.append(f"{other.name} (vLLM {other.vllm_version})")
+    if not matches:
+        return "; no profile here pins it: port one with `sparkple patch port`"
+    return (
+        f"; it is the file of profile {' and '.join(matches)}: render that profile "
+        "(the roles' knob: vllm_patches_profile)"
+    )
+
+
 def render_files(
     profile: Profile, originals_dir: Path, variables: dict[str, Any]
 ) -> tuple[dict[str, str], dict[str, Any]]:
@@ -111,6 +135,7 @@ def render_files(
                 "it already carries the sparkple patch; pass the image's pristine originals"
                 if PATCH_MARKER in text
                 else f"this is not the file shipped in vLLM {profile.vllm_version}"
+                + _profiles_pinning(rel, actual)
             )
             raise PatchError(
                 f"{rel}: sha256 {actual} does not match the pinned {pinned} "

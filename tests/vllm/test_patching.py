@@ -313,3 +313,24 @@ def test_check_compile_compiles_every_file(
     assert main(["patch", "check", str(out)]) == 0
     assert main(["patch", "check", "--compile", str(out)]) == 1
     assert f"{ADDED}: does not compile with Python" in capsys.readouterr().out
+
+
+def test_another_releases_files_name_the_profile_to_render(tmp_path: Path) -> None:
+    """An image of the other release (its files match another profile's pins): the refusal
+    names the profile those files belong to and the roles' knob, and writes nothing."""
+    old, new = "vllm-0.33", "vllm-0.34"
+    for profile, other in ((old, new), (new, old)):
+        sources = wheel_cache.vllm_originals(patch.load_profile(other).vllm_version)
+        with pytest.raises(PatchError) as info:
+            patch.render(profile, sources, tmp_path / profile)
+        message = str(info.value)
+        assert f"it is the file of profile {other}" in message, message
+        assert "vllm_patches_profile" in message
+        assert not (tmp_path / profile).exists()
+    # a file no profile pins: the port command is the way on
+    copy = tmp_path / "foreign"
+    rel = next(iter(patch.load_profile(new).originals))
+    (copy / rel).parent.mkdir(parents=True)
+    (copy / rel).write_text("# another vLLM\n")
+    with pytest.raises(PatchError, match="no profile here pins it: port one with"):
+        patch.render(new, copy, tmp_path / "out")
