@@ -14,6 +14,8 @@ from collections.abc import Mapping
 HEAD, WORKER = "spark-a", "spark-b"
 HEAD_ADDRESS, WORKER_ADDRESS = "192.168.100.10", "192.168.100.11"
 INTERFACE, HCA = "enp1s0f1np1", "rocep1s0f1"
+# both ports of a ConnectX-7 for NCCL, as docs/two-sparks.md recommends (sparkple.rdma)
+TWIN_HCAS = "rocep1s0f1,roceP2p1s0f1"
 
 
 def pair_node(

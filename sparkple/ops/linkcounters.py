@@ -71,16 +71,6 @@ def check_name(kind: str, name: str) -> str:
     return name
 
 
-def parse_hca(spec: str) -> tuple[str, str | None]:
-    """`device` or `device:port`, as NCCL_IB_HCA names one device; a leading '=' (NCCL's
-    exact-match prefix) is allowed."""
-    device, _, port = spec.strip().removeprefix("=").partition(":")
-    check_name("RDMA device", device)
-    if port and not port.isdigit():
-        raise ValueError(f"RDMA device {spec!r}: the port after ':' must be a number")
-    return device, port or None
-
-
 def read_int(path: Path) -> int | None:
     try:
         return int(path.read_text().split()[0])

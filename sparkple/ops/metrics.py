@@ -33,12 +33,13 @@ from typing import Any
 from ..atomicfile import write_text
 from ..errors import TableError
 from ..meminfo import read_meminfo
+from ..rdma import HcaError, parse_hcas
 from ..runtime import stats
 from ..runtime.pagecache import PAGE_SIZE, file_resident_pages
 from ..runtime.tablemeta import read_meta
 from .exposition import Exposition
 from .host import block_device, kernel_error_counts, run_command
-from .linkcounters import check_name, parse_hca, read_interface, read_rdma
+from .linkcounters import check_name, read_interface, read_rdma
 from .state import (
     INCIDENT_KINDS,
     SUPERVISOR_STATES,
@@ -293,12 +294,19 @@ def collect_link(out: Exposition, sysfs: Path, interface: str, hca: str) -> None
         )
     if not hca:
         return
-    device, port = parse_hca(hca)
-    ports = read_rdma(sysfs, device, port)
+    # every device of the list (a ConnectX-7's twin ports are two), each port apart; the
+    # dashboards and rules sum them per host
+    ports = []
     present = "1 when the pair link's RDMA device (and port) is in sysfs."
-    out.metric("pair_link_rdma_present", "gauge", present, int(bool(ports)), {"device": device})
+    name = out.family("pair_link_rdma_present", "gauge", present)
+    for each in parse_hcas(hca):
+        port = None if each.port is None else str(each.port)
+        found = read_rdma(sysfs, each.device, port) or []
+        out.sample(name, int(bool(found)), {"device": each.device})
+        if not found:
+            warn(f"no RDMA device {each.device} under {sysfs}/class/infiniband; no counters")
+        ports += found
     if not ports:
-        warn(f"no RDMA device {hca} under {sysfs}/class/infiniband; no RDMA counters")
         return
     # each family's samples right after its HELP and TYPE (the text format groups them)
     name = out.family(
@@ -351,7 +359,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--link-interface", default="", help="a pair node's link interface")
     p.add_argument(
-        "--rdma-device", default="", help="the link's RDMA device, DEVICE or DEVICE:PORT"
+        "--rdma-device",
+        default="",
+        help="the link's RDMA device(s) as NCCL_IB_HCA names them: DEVICE[:PORT][,DEVICE[:PORT]]",
+    )
+    p.add_argument(
+        "--check-args",
+        action="store_true",
+        help="check the arguments (the link's names included) and exit: what the role runs",
     )
     p.add_argument(
         "--sysfs-root", type=Path, default=Path("/sys"), help="where sysfs is (tests: a tree)"
@@ -363,8 +378,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if args.link_interface:
             check_name("interface", args.link_interface)
         if args.rdma_device:
-            parse_hca(args.rdma_device)
-    except ValueError as exc:
+            parse_hcas(args.rdma_device)
+    except (HcaError, ValueError) as exc:
         p.error(
             f"{exc}: set the pair's link in the inventory (sparkple_pair_link_interface, "
             "sparkple_pair_ib_hca)"
@@ -376,6 +391,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.check_args:
+        return 0
     started = time.monotonic()
     out = Exposition()
     collect_memory(out)

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import rdma
 from .recipe import ServingError
 
 TRANSPORTS = ("ib", "socket")
@@ -197,20 +198,11 @@ def roce_v2_index(table: Iterable[Gid], address: str, interface: str) -> int | N
 
 
 def parse_hcas(value: str) -> list[tuple[str, int]]:
-    """NCCL_IB_HCA's devices and ports (`=` exact-match prefix taken off; port 1 by default)."""
-    if value.strip().startswith("^"):
-        raise ServingError(
-            f"sparkple_pair_ib_hca {value!r} is an exclusion list: name the link's devices"
-        )
-    found = []
-    for token in value.split(","):
-        name, _, rest = token.strip().lstrip("=").partition(":")
-        port = rest.split(":", 1)[0]
-        if name:
-            found.append((name, int(port) if port.isdigit() else 1))
-    if not found:
-        raise ServingError("sparkple_pair_ib_hca is empty: name the link's RDMA device")
-    return found
+    """NCCL_IB_HCA's devices and the port of each NCCL uses (sparkple.rdma, the one rule)."""
+    try:
+        return [(hca.device, hca.port_or_first) for hca in rdma.parse_hcas(value)]
+    except rdma.HcaError as exc:
+        raise ServingError(str(exc)) from None
 
 
 def default_connect(address: str, port: int, interface: str, source: str, timeout: float) -> str:

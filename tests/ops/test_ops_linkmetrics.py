@@ -18,6 +18,8 @@ from ops_helpers import program
 from sparkple.ops.linkcounters import PORT_ERRORS, ROCE_ERRORS
 
 HCA, IFACE = "rocep1s0f1", "enp1s0f1np1"
+# a ConnectX-7's second port of the same link, as DGX OS names it (docs/two-sparks.md)
+TWIN = "roceP2p1s0f1"
 
 
 def parse(text: str) -> dict[str, float]:
@@ -34,9 +36,11 @@ def write(path: Path, value: object) -> None:
     path.write_text(f"{value}\n")
 
 
-def fake_port(sysfs: Path, port: int = 1, *, state: str = "4: ACTIVE", **counters: int) -> Path:
-    """One port of HCA: its state, counters/ (IB PortCounters) and hw_counters/ (mlx5 RoCE)."""
-    base = sysfs / "class" / "infiniband" / HCA / "ports" / str(port)
+def fake_port(
+    sysfs: Path, port: int = 1, *, state: str = "4: ACTIVE", device: str = HCA, **counters: int
+) -> Path:
+    """One port of a device: its state, counters/ (IB PortCounters), hw_counters/ (mlx5 RoCE)."""
+    base = sysfs / "class" / "infiniband" / device / "ports" / str(port)
     write(base / "state", state)
     write(base / "phys_state", "5: LinkUp")
     for name, value in counters.items():
@@ -161,7 +165,9 @@ def test_missing_files_drop_only_their_series(tmp_path):
     ("args", "words"),
     [
         (["--link-interface", "../../etc"], "interface '../../etc' is not a device name"),
-        (["--link-interface", "eth0", "--rdma-device", "mlx5_0:x"], "the port after ':'"),
+        (["--link-interface", "eth0", "--rdma-device", "mlx5_0:x"], "the port after mlx5_0:"),
+        (["--link-interface", "eth0", "--rdma-device", "^mlx5_1"], "is an exclusion list"),
+        (["--link-interface", "eth0", "--rdma-device", "mlx5_0,../x"], "is not an RDMA device"),
         (["--rdma-device", "mlx5_0"], "--rdma-device needs --link-interface"),
     ],
 )
@@ -172,6 +178,37 @@ def test_bad_link_names_are_refused(tmp_path, args, words):
     )  # fmt: skip
     assert done.returncode == 2 and words in done.stderr, done.stderr
     assert not (tmp_path / "m.prom").exists()
+
+
+def test_twin_ports_are_counted_per_device_and_sum_for_the_pair(tmp_path):
+    """sparkple_pair_ib_hca as docs/two-sparks.md recommends it for a ConnectX-7's twin ports:
+    both devices' counters, each under its own device label (the rules and the dashboard sum
+    them per host), each present gauge of its own; --check-args (what the metrics role runs)
+    accepts the list."""
+    sysfs, out = tmp_path / "sys", tmp_path / "m.prom"
+    fake_interface(sysfs, rx=1, tx=2)
+    fake_port(sysfs, port_xmit_data=10, port_rcv_data=20)
+    fake_port(sysfs, device=TWIN, port_xmit_data=30, port_rcv_data=40)
+    twin = f"{HCA},{TWIN}"
+    checked = subprocess.run(
+        program("metrics", "--out", out, "--check-args", "--link-interface", IFACE,
+                "--rdma-device", twin),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert checked.returncode == 0, checked.stderr
+    assert not out.exists(), "--check-args collects nothing"
+    m, stderr = collect(out, sysfs, "--link-interface", IFACE, "--rdma-device", twin)
+    assert stderr == ""
+    for device in (HCA, TWIN):
+        assert m[f'sparkple_pair_link_rdma_present{{device="{device}"}}'] == 1
+        assert m[rdma("port_active", device=device)] == 1
+    sent = sum(v for k, v in m.items() if "rdma_bytes_total" in k and "transmit" in k)
+    assert (m[rdma("bytes_total", direction="transmit")], sent) == (40, 160)
+    # one of the two missing: its gauge says so, the other's counters stay
+    (sysfs / "class" / "infiniband" / TWIN).rename(tmp_path / "gone")
+    m, stderr = collect(out, sysfs, "--link-interface", IFACE, "--rdma-device", twin)
+    assert m[f'sparkple_pair_link_rdma_present{{device="{TWIN}"}}'] == 0
+    assert m[rdma("bytes_total", direction="receive")] == 80 and f"no RDMA device {TWIN}" in stderr
 
 
 def test_the_real_interface_bytes_grow_with_real_traffic(tmp_path):

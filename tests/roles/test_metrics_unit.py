@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from ansible_local import run_playbook
-from pair_inventory import pair_hostvars
+from pair_inventory import TWIN_HCAS, pair_hostvars
 
 from sparkple.ops.metrics import parse_args
 from sparkple.serving.pair import pair_of
@@ -55,14 +55,19 @@ def exec_start(tmp_path: Path, pair_info: dict) -> list[str]:
     return words[start + 1 :]
 
 
+# both nodes naming both ports of their ConnectX-7
+TWIN_HOSTVARS = pair_hostvars(hcas=(TWIN_HCAS, TWIN_HCAS))
+
+
+@pytest.mark.parametrize("hostvars", [HOSTVARS, TWIN_HOSTVARS], ids=["cross-wired", "twin-ports"])
 @pytest.mark.parametrize("host", ["spark-a", "spark-b"])
-def test_a_pair_node_reads_its_own_link(tmp_path, host):
-    pair = pair_of(HOSTVARS, host)
+def test_a_pair_node_reads_its_own_link(tmp_path, host, hostvars):
+    pair = pair_of(hostvars, host)
     assert pair is not None
     words = exec_start(tmp_path, pair.describe(host))
     args = parse_args(words)
-    assert args.link_interface == HOSTVARS[host]["sparkple_pair_link_interface"]
-    assert args.rdma_device == HOSTVARS[host]["sparkple_pair_ib_hca"]
+    assert args.link_interface == hostvars[host]["sparkple_pair_link_interface"]
+    assert args.rdma_device == hostvars[host]["sparkple_pair_ib_hca"]
     assert args.sysfs_root == Path("/sys")
 
 
@@ -76,17 +81,20 @@ def program_words(*args: object) -> list[str]:
 
 
 def run_link_check(tmp_path: Path, pair_info: dict):
-    """The role's own assert on the pair link's names, alone in a play."""
+    """The role's own check of the pair link's names (the metrics program's --check-args, then
+    the refusal), alone in a play, with this Python as the host's."""
     tasks = yaml.safe_load((ROLE / "tasks" / "main.yml").read_text())
-    (check,) = [
-        t for t in tasks if t["name"] == "Refuse a pair link the metrics program cannot read"
-    ]
-    play = [{"hosts": "localhost", "gather_facts": False, "tasks": [check]}]
+    names = ("Check the pair link's names with the metrics program",
+             "Refuse a pair link the metrics program cannot read")  # fmt: skip
+    check = [t for t in tasks if t["name"] in names]
+    assert [t["name"] for t in check] == list(names)
+    play = [{"hosts": "localhost", "gather_facts": False, "tasks": check}]
     return run_playbook(
         tmp_path,
         yaml.safe_dump(play),
-        {"sparkple_pair_info": pair_info, "inventory_hostname": "spark-x"},
-    )
+        {"sparkple_pair_info": pair_info, "inventory_hostname": "spark-x",
+         "sparkple_host_python": sys.executable},
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -94,7 +102,9 @@ def run_link_check(tmp_path: Path, pair_info: dict):
     [
         ("enp1s0f1np1", "rocep1s0f1", True),
         ("enp1s0f1np1", "=mlx5_0:1", True),
-        ("enp1s0f1np1", "mlx5_0,mlx5_1", False),
+        # a ConnectX-7's twin ports, as docs/two-sparks.md recommends (sparkple.rdma)
+        ("enp1s0f1np1", "rocep1s0f1,roceP2p1s0f1", True),
+        ("enp1s0f1np1", "^mlx5_1", False),
         ("../../etc", "rocep1s0f1", False),
         ("enp1s0f1np1", "mlx5_0:x", False),
     ],
@@ -110,5 +120,5 @@ def test_the_role_refuses_link_names_the_program_would(tmp_path, interface, hca,
     )  # fmt: skip
     assert (refused.returncode == 0) is ok, refused.stderr
     if not ok:
-        assert "spark-x: sparkple_pair_link_interface=" in done.stdout
-        assert "fix the host's inventory vars" in done.stdout
+        assert "spark-x: " in done.stdout
+        assert "set the pair's link in the inventory" in done.stdout
