@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's Python sources from the wheel, and the air-gapped GPU-check archive.
+"""vLLM's Python sources from the wheel, and the air-gapped GPU-check archive.
 
 Usage:
   python gpu/bundle.py sources             vLLM's Python sources from the cached wheel (no
@@ -7,15 +7,18 @@ Usage:
   python gpu/bundle.py build [--target T] [--python PY] [--out FILE]
                                            the archive; its path is the last line printed
 
-The archive (`sparkple-gpu-check/`, under 60 MiB) holds the project's files, `gpu-check.sh`
-at its root, and under bundle/: vLLM 0.33.0's Python sources, the rendered patch files, the
-pure-Python packages the checks import that torch does not bring (copied from PY, the vLLM
-test venv by default, where the import smoke test finds them on the CPU and the CUDA path),
+The vLLM release is the default patch profile's (`sparkple.patch.DEFAULT_PROFILE`; its
+version is `harness.wheel_cache.VLLM_VERSION`), and the patch rendered is that profile. The
+archive (`sparkple-gpu-check/`, under 60 MiB) holds the project's files, `gpu-check.sh` at
+its root, and under bundle/: that release's Python sources, the rendered patch files, the
+pure-Python packages the checks import that torch does not bring (copied from where PY, the
+release's vLLM test venv by default, finds them: its own site-packages or the shared base's
+it reads behind it; the import smoke test finds them on the CPU and the CUDA path),
 wheels/: the target's wheels of the compiled packages the checks import that the target
-lacks (with the pure ones pinned to them), carried.json (what is carried, and what each
-carried package must satisfy, for gpu/carried.py to choose the machine's copy or the
-bundle's), and needs.json: every compiled package the checks import, carried or the
-machine's own.
+lacks, or has in a version the imported packages do not accept (with the pure ones pinned
+to them), carried.json (what is carried, and what each carried package must satisfy, for
+gpu/carried.py to choose the machine's copy or the bundle's), and needs.json: every
+compiled package the checks import, carried or the machine's own.
 
 A target is a file in gpu/targets/ (by name: the machine's architecture, Python and glibc,
 and what its image has) or ARCH-pyX.Y (a machine with only torch, triton and numpy).
@@ -33,10 +36,11 @@ import sys
 import tarfile
 import tempfile
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,6 +85,8 @@ class Target:
     python: str
     glibc: str
     has: frozenset[str]  # canonical distribution names
+    # {canonical name: version} of those whose version the target file gives (name==version)
+    versions: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def named(cls, spec: str) -> Target:
@@ -90,8 +96,14 @@ class Target:
         path = TARGETS / f"{spec}.toml"
         if path.is_file():
             data = tomllib.loads(path.read_text())
-            has = {canonicalize_name(Requirement(r).name) for r in data["has"]}
-            return cls(spec, data["arch"], data["python"], data["glibc"], frozenset(has))
+            has = [Requirement(r) for r in data["has"]]
+            versions = {
+                str(canonicalize_name(r.name)): next(iter(r.specifier)).version
+                for r in has
+                if len(r.specifier) == 1 and next(iter(r.specifier)).operator == "=="
+            }
+            names = frozenset(canonicalize_name(r.name) for r in has)
+            return cls(spec, data["arch"], data["python"], data["glibc"], names, versions)
         match = re.fullmatch(r"(x86_64|aarch64)-py(3\.\d+)", spec)
         if match is None:
             known = ", ".join(sorted(p.stem for p in TARGETS.glob("*.toml")))
@@ -143,17 +155,11 @@ def run(cmd: list[str], **kwargs) -> str:
     return proc.stdout
 
 
-def site_packages(python: str) -> Path:
-    return Path(
-        run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip()
-    )
-
-
 @dataclass
 class Plan:
     """What the bundle carries for a target, from the distributions the checks import."""
 
-    copy: list[str]  # pure-Python distributions, copied from PY
+    copy: list[str]  # pure-Python distributions, copied from where PY finds them
     wheels: list[str]  # name==version: the target's wheels, carried
     needs: dict[str, dict]  # module: {requirement, carried, why}: every compiled one
 
@@ -161,8 +167,13 @@ class Plan:
 def plan(dists: dict[str, dict], target: Target) -> Plan:
     """Pure packages are copied; compiled ones (and pure ones that pin a compiled one, as
     pydantic pins pydantic-core: a copy would not match the machine's compiled half) are
-    carried as the target's wheels unless the target has them or they cannot be carried."""
+    carried as the target's wheels unless the target has them or they cannot be carried. A
+    target's copy whose version the target file gives must meet what the imported packages
+    require of it (vLLM 0.34.0 needs tokenizers >=0.23.3): else the wheel is carried too, and
+    gpu/carried.py chooses between the two on the machine (those never carried aside: the
+    target's torchvision is its torch's, whatever vLLM pins)."""
     compiled = {canonicalize_name(name) for name, d in dists.items() if d["compiled"]}
+    requires = requirements_on(dists)
     result = Plan([], [], {})
     for name, dist in sorted(dists.items()):
         key = canonicalize_name(name)
@@ -172,7 +183,17 @@ def plan(dists: dict[str, dict], target: Target) -> Plan:
             result.copy.append(name)
             continue
         requirement = f"{name}=={dist['version']}"
-        if key in target.has:
+        has = target.versions.get(key)
+        unmet = [
+            f"{requirer} needs {spec}"
+            for requirer, spec in requires.get(key, [])
+            if has is not None and not SpecifierSet(spec).contains(has, prereleases=True)
+        ]
+        if key in target.has and unmet and key not in NOT_CARRIED:
+            why = f"carried as the {target.name} wheel: the target's {has} does not meet"
+            need = {"carried": True, "why": f"{why} {'; '.join(unmet)}"}
+            result.wheels.append(requirement)
+        elif key in target.has:
             need = {"carried": False, "why": f"the target ({target.name}) has it"}
         elif key in NOT_CARRIED:
             need = {"carried": False, "why": f"not carried: {NOT_CARRIED[key]}"}
@@ -227,7 +248,7 @@ def runner_dists() -> dict[str, dict]:
             raise SystemExit(f"gpu-bundle: {name}, which pytest needs, is compiled here")
         found[name] = {
             "version": dist.version,
-            "site": Path(str(dist.locate_file(""))),
+            "site": str(dist.locate_file("")),
             "files": files,
             "requires": [r for r in requires if ";" not in r],
         }
@@ -283,17 +304,15 @@ def build(python: str, out: Path, target: Target) -> Path:
         run([*smoke, str(dists_path)], env=env, cwd=tmp)
         dists = json.loads(dists_path.read_text())
         carry = plan(dists, target)
-        site = site_packages(python)
         # the gpu-marked tests' runner too, where the checks' own imports did not bring it
         imported = {canonicalize_name(k) for k in dists}
         runner = {n: d for n, d in runner_dists().items() if canonicalize_name(n) not in imported}
-        copy_from = {name: site for name in carry.copy}
-        copy_from.update({name: d["site"] for name, d in runner.items()})
-        dists.update(
-            {name: {k: v for k, v in d.items() if k != "site"} for name, d in runner.items()}
-        )
+        dists.update(runner)
         carried: dict[str, dict] = {}
-        for name, source_site in copy_from.items():
+        for name in [*carry.copy, *runner]:
+            # each from where PY found it: its venv's site-packages, or the one it reads behind
+            # it (a vLLM test venv holds vLLM alone over the shared base's packages)
+            source_site = Path(dists[name]["site"])
             files = []
             for rel in dists[name]["files"]:
                 source = source_site / rel
@@ -350,7 +369,10 @@ def main(argv: list[str] | None = None) -> int:
     target = Target.named(args.target)
     python = args.python or str(vllm_venv())
     if not Path(python).exists():
-        print(f"gpu-bundle: no Python at {python}: pass --python with vLLM 0.33.0", file=sys.stderr)
+        print(
+            f"gpu-bundle: no Python at {python}: pass --python with vLLM {VLLM_VERSION}",
+            file=sys.stderr,
+        )
         return 2
     print(build(python, args.out.resolve(), target))
     return 0

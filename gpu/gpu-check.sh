@@ -93,18 +93,23 @@ elif [[ -n ${SPARKPLE_GPU_RENDERED:-} ]]; then
     vllm_path=""
     rendered=$SPARKPLE_GPU_RENDERED
 else
-    # a checkout: vLLM 0.33.0's Python sources from the cached wheel, the patch rendered here
+    # a checkout: the default patch profile's vLLM release, its Python sources from the
+    # cached wheel, and that profile rendered here
     sources=$("$python" gpu/bundle.py sources | tail -1)
     vllm_path=$sources
     rendered=$work/rendered
-    PYTHONPATH=$root "$python" -m sparkple.cli patch render --profile vllm-0.33 \
+    profile=$(PYTHONPATH=$root "$python" -c 'from sparkple.patch import DEFAULT_PROFILE as p; print(p)')
+    PYTHONPATH=$root "$python" -m sparkple.cli patch render --profile "$profile" \
         --originals "$sources/vllm" --out "$rendered" >/dev/null
 fi
 export PYTHONPATH="$root${vllm_path:+:$vllm_path}"
 if [[ $device == cpu ]]; then
     # vLLM's CPU platform on any machine, and the V2 runner that serves this model on CUDA
-    # (vLLM picks it where triton imports; a CPU torch may come without triton)
-    export VLLM_TARGET_DEVICE=cpu VLLM_USE_V2_MODEL_RUNNER=1
+    # (vLLM picks it where triton imports; a CPU torch may come without triton). No GPU
+    # visible, on purpose: vLLM 0.34's CPU platform refuses an x86 config without a Triton it
+    # can use (platforms/cpu.py), and counts the CUDA Triton only where CUDA_VISIBLE_DEVICES
+    # is empty (triton_utils/importing.py); no vLLM kernel runs in the smoke mode
+    export VLLM_TARGET_DEVICE=cpu VLLM_USE_V2_MODEL_RUNNER=1 CUDA_VISIBLE_DEVICES=
 fi
 
 "$python" gpu/preamble.py "$device" "$out/preamble.json" "${needs[@]}"

@@ -91,7 +91,9 @@ def closure(dist: str) -> set[str]:
 
 def loaded_dists() -> dict[str, dict]:
     """The installed distributions whose modules the imports loaded: version, modules,
-    whether they hold compiled code, whether torch brings them, their files and pins."""
+    whether they hold compiled code, whether torch brings them, their files (relative to
+    `site`, the directory the distribution is installed in: a venv's own site-packages, or
+    one it reads behind it, as the vLLM test venvs read their shared base's) and pins."""
     owners = importlib.metadata.packages_distributions()
     tops = sorted({name.split(".")[0] for name in list(sys.modules)})
     with_torch = closure("torch")
@@ -102,10 +104,12 @@ def loaded_dists() -> dict[str, dict]:
             if top not in entry["modules"]:
                 entry["modules"].append(top)
     for dist, entry in found.items():
-        files = [str(f) for f in importlib.metadata.files(dist) or []]
-        reqs = importlib.metadata.requires(dist) or []
+        installed = importlib.metadata.distribution(dist)
+        files = [str(f) for f in installed.files or []]
+        reqs = installed.requires or []
         entry.update(
-            version=importlib.metadata.version(dist),
+            version=installed.version,
+            site=str(installed.locate_file("")),
             compiled=any(f.endswith((".so", ".pyd")) for f in files),
             with_torch=normalized(dist) in with_torch,
             files=[f for f in files if not f.startswith("..")],

@@ -8,8 +8,14 @@ wheel's range, a torch that does not import, a torch without CUDA, a GPU torch c
 (no NVIDIA GPU, or a driver older than torch's CUDA build needs), and compiled packages the
 checks import that do not import here (NEEDS_JSON, written by the bundle: those it carries,
 laid on the path by carried.py, and those that must be the machine's own, each with why).
-`cpu` (the smoke mode) needs torch only. Torch and triton other than vLLM 0.33.0's pins are
+`cpu` (the smoke mode) needs torch only. Torch and triton other than vLLM's pins are
 accepted and reported. Standard library only until torch is imported.
+
+The wheel's range and torch pin are read from the METADATA of the vLLM the checks run: the
+one on this Python's path (the serving image's own, or the sources gpu-check.sh puts on
+PYTHONPATH, with their dist-info), else the bundle's sources beside this file. A checkout's
+first run, before its sources are extracted, may find none: the range is then checked on
+the second run, with the sources on the path, before anything imports vLLM.
 """
 
 from __future__ import annotations
@@ -18,27 +24,77 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-# vLLM 0.33.0's Requires-Python and its torch pin (PyPI's torch 2.14.0 is a CUDA 13.0 build).
-PYTHON_RANGE = ((3, 11), (3, 15))
-VLLM_TORCH_PIN = "2.14.0"
+# the bundle's vLLM sources, with their dist-info, when this file is in an unpacked bundle
+BUNDLE_SOURCES = Path(__file__).resolve().parents[1] / "bundle" / "vllm-src"
 EXIT_USAGE = 2
+_OPERATORS = {
+    ">=": lambda a, b: a >= b, ">": lambda a, b: a > b, "<=": lambda a, b: a <= b,
+    "<": lambda a, b: a < b, "==": lambda a, b: a == b, "!=": lambda a, b: a != b,
+}  # fmt: skip
 
 
 class Refusal(Exception):
     """The check cannot run on this machine; the message says why and what to do."""
 
 
-def check_python(version: tuple[int, int]) -> None:
-    low, high = PYTHON_RANGE
-    if not low <= version < high:
+@dataclass(frozen=True)
+class Release:
+    """What the vLLM wheel's METADATA asks of the machine: its version, its Requires-Python
+    (">=3.11, <3.15": the lower bounds first) and its torch pin (None where it pins none)."""
+
+    version: str
+    requires_python: str
+    torch_pin: str | None
+
+    @classmethod
+    def parse(cls, metadata: str) -> Release:
+        def field(name: str) -> str | None:
+            match = re.search(rf"^{name}: *(.+?)\s*$", metadata, re.M)
+            return match.group(1) if match else None
+
+        clauses = [c.strip() for c in (field("Requires-Python") or "").split(",") if c.strip()]
+        clauses.sort(key=lambda clause: not clause.startswith(">"))
+        pin = re.search(r"^Requires-Dist: torch *==([^;\s]+)\s*$", metadata, re.M)
+        return cls(field("Version") or "?", ", ".join(clauses), pin.group(1) if pin else None)
+
+    def python_allows(self, version: tuple[int, int]) -> bool:
+        """Whether Python X.Y meets every clause (`>=3.11`, `<3.15`; X.Y compared as X.Y.0)."""
+        for clause in filter(None, self.requires_python.split(", ")):
+            match = re.fullmatch(r"(>=|<=|==|!=|>|<) *(\d+(?:\.\d+)*)(\.\*)?", clause)
+            if match is None:
+                continue  # a clause this reader does not know: pip's business, not the check's
+            op, bound, star = match.groups()
+            want = tuple(int(x) for x in bound.split("."))
+            have = (*version, 0)[: len(want)] if not star else version[: len(want)]
+            if not _OPERATORS[op](have, want):
+                return False
+        return True
+
+
+def find_release() -> Release | None:
+    """The METADATA of the vLLM on this Python's path, else of the bundle's sources."""
+    try:
+        text = importlib.metadata.distribution("vllm").read_text("METADATA")
+    except importlib.metadata.PackageNotFoundError:
+        text = None
+    if text is None:
+        found = sorted(BUNDLE_SOURCES.glob("vllm-*.dist-info/METADATA"))
+        text = found[0].read_text() if found else None
+    return None if text is None else Release.parse(text)
+
+
+def check_python(version: tuple[int, int], release: Release) -> None:
+    if not release.python_allows(version):
         raise Refusal(
-            f"Python {version[0]}.{version[1]} is outside vLLM 0.33.0's range "
-            f"(>={low[0]}.{low[1]}, <{high[0]}.{high[1]}): set PYTHON to another interpreter"
+            f"Python {version[0]}.{version[1]} is outside vLLM {release.version}'s range "
+            f"({release.requires_python}): set PYTHON to another interpreter"
         )
 
 
@@ -102,7 +158,12 @@ def vllm_version() -> tuple[str | None, str | None]:
 
 def collect(device: str, needs: dict[str, dict]) -> dict:
     info: dict = {"python": sys.version.split()[0], "executable": sys.executable}
-    check_python(sys.version_info[:2])
+    release = find_release()
+    if release is not None:
+        check_python(sys.version_info[:2], release)
+        info["vllm_release"] = release.version
+        info["vllm_requires_python"] = release.requires_python
+        info["vllm_torch_pin"] = release.torch_pin
     info.update(nvidia_smi())
     if device == "cuda" and "gpu" not in info:
         raise Refusal("no NVIDIA GPU here (nvidia-smi found none): run it on a CUDA machine")
@@ -114,7 +175,8 @@ def collect(device: str, needs: dict[str, dict]) -> dict:
     info["torch_cuda_build"] = torch.version.cuda
     info["triton"] = version_of("triton", "triton")
     info["vllm"], info["vllm_file"] = vllm_version()
-    info["torch_is_vllm_pin"] = torch.__version__.split("+")[0] == VLLM_TORCH_PIN
+    pin = None if release is None else release.torch_pin
+    info["torch_is_vllm_pin"] = None if pin is None else torch.__version__.split("+")[0] == pin
     if device == "cuda":
         if torch.version.cuda is None:
             raise Refusal(
@@ -141,7 +203,9 @@ def main() -> int:
         print(f"gpu-check: {refusal}", file=sys.stderr)
         return EXIT_USAGE
     result_path.write_text(json.dumps(info, indent=2))
-    pins = "" if info["torch_is_vllm_pin"] else f" (vLLM 0.33.0 pins torch {VLLM_TORCH_PIN})"
+    pins = ""
+    if info["torch_is_vllm_pin"] is False:
+        pins = f" (vLLM {info['vllm_release']} pins torch {info['vllm_torch_pin']})"
     print(
         f"gpu-check: {info.get('gpu', 'no GPU')}, driver {info.get('driver', '-')}; "
         f"Python {info['python']}; torch {info['torch']} (CUDA build {info['torch_cuda_build']})"

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -83,7 +84,7 @@ def assert_timed_shapes(result: dict, executions: dict[str, set[str]]) -> None:
                 assert 0 < figures["host_side_ms"] <= figures["step_ms"]
                 assert figures["gather_wait_ms"] >= 0
         assert tuple(shape["modes"]) == MODES
-    # what vLLM 0.33 runs for one layer: FULL graphs for uniform decode, piecewise graphs
+    # what vLLM (0.33 and 0.34) runs for one layer: FULL graphs for uniform decode, piecewise graphs
     # (the same capture for one layer) for mixed steps, eager beyond the largest capture size
     assert host_side["16"]["modes"] == {
         "FULL_AND_PIECEWISE": "full",
@@ -203,12 +204,26 @@ def test_preamble_refuses_a_torch_without_cuda(tmp_path: Path) -> None:
 
 
 def test_preamble_refuses_pythons_outside_the_wheels_range() -> None:
+    """The range and the torch pin are the default release's wheel's METADATA's."""
     module = preamble()
+    wheel = wheel_cache.vllm_wheel()
+    with zipfile.ZipFile(wheel) as archive:
+        metadata = archive.read(f"vllm-{wheel_cache.VLLM_VERSION}.dist-info/METADATA").decode()
+    release = module.Release.parse(metadata)
+    (torch_pin,) = wheel_cache.wheel_pins(wheel, ("torch",))
+    assert release == module.Release(
+        wheel_cache.VLLM_VERSION, ">=3.11, <3.15", torch_pin.split("==")[1]
+    )
     for version in ((3, 11), (3, 14)):
-        module.check_python(version)
+        module.check_python(version, release)
+    message = rf"outside vLLM {re.escape(wheel_cache.VLLM_VERSION)}'s range \(>=3.11, <3.15\)"
     for version in ((3, 10), (3, 15)):
-        with pytest.raises(module.Refusal, match=r"outside vLLM 0.33.0's range \(>=3.11, <3.15\)"):
-            module.check_python(version)
+        with pytest.raises(module.Refusal, match=message):
+            module.check_python(version, release)
+    other = module.Release.parse("Version: 9.1\nRequires-Python: >3.12,!=3.13.*\n")
+    assert (other.requires_python, other.torch_pin) == (">3.12, !=3.13.*", None)
+    allowed = [v for v in ((3, 12), (3, 13), (3, 14)) if other.python_allows(v)]
+    assert allowed == [(3, 14)]  # 3.12 is 3.12.0, not above 3.12
 
 
 def test_preamble_names_the_compiled_packages_missing() -> None:
@@ -266,13 +281,15 @@ def test_the_sources_import_vllms_cuda_platform_and_its_standin_refuses_use(
 
 
 # The reference offline GPU machine (gpu/targets/): the compiled packages the check imports
-# that its image lacks, which the bundle must carry as its wheels (pydantic with them: it
-# pins pydantic-core).
+# (vLLM 0.34.0's sources) that its image lacks, which the bundle must carry as its wheels
+# (pydantic with them: it pins pydantic-core), and those its image has in a version below
+# what vLLM requires (the target's version), carried too.
 TARGET = REPO / "gpu" / "targets" / "h200-offline.toml"
 REFERENCE_LACKS = {
-    "apache-tvm-ffi", "cbor2", "llguidance", "msgspec", "oss-harmony", "pybase64", "pydantic",
-    "pydantic-core", "pyzmq", "xgrammar",
+    "apache-tvm-ffi", "cbor2", "llguidance", "msgspec", "pybase64", "pydantic", "pydantic-core",
+    "pyzmq", "xgrammar",
 }  # fmt: skip
+REFERENCE_TOO_OLD = {"tokenizers": ("0.23.2", "vllm needs >=0.23.3")}
 
 
 @pytest.fixture(scope="session")
@@ -286,7 +303,8 @@ def test_bundle_runs_on_the_simulated_offline_gpu_machine(
     vllm_venv: Path, machine_python: Path, tmp_path: Path
 ) -> None:
     """make gpu-bundle's archive for the reference machine: under 60 MiB, its path the last
-    line, the target's wheels of the 10 compiled packages the machine lacks. Unpacked in a new
+    line, the target's wheels of the 9 compiled packages the machine lacks and of the one it
+    has too old for vLLM 0.34.0 (tokenizers), and huggingface_hub 2.x. Unpacked in a new
     folder, with no network (a new network namespace: loopback only), its gpu-check.sh
     --cpu-smoke passes on the simulated machine: the preamble, the carried packages laid out
     (each from the bundle or the machine, and why), the CUDA path's imports up to the first
@@ -309,11 +327,22 @@ def test_bundle_runs_on_the_simulated_offline_gpu_machine(
     assert carried["target"] == {"name": "h200-offline", "arch": "x86_64", "python": "3.12",
                                  "glibc": "2.35"}  # fmt: skip
     wheels = {canonicalize_name(n) for n, p in carried["packages"].items() if "wheel" in p}
-    assert wheels == REFERENCE_LACKS
+    assert wheels == REFERENCE_LACKS | set(REFERENCE_TOO_OLD)
     needs = json.loads((root / "bundle" / "needs.json").read_text())
     assert {canonicalize_name(n["requirement"].split("==")[0]) for n in needs.values()
-            if n["carried"]} == REFERENCE_LACKS  # fmt: skip
+            if n["carried"]} == REFERENCE_LACKS | set(REFERENCE_TOO_OLD)  # fmt: skip
+    for name, (version, unmet) in REFERENCE_TOO_OLD.items():
+        assert needs[name]["why"] == (
+            f"carried as the h200-offline wheel: the target's {version} does not meet {unmet}"
+        )
+    # vLLM pins another torchvision, but a machine's torchvision is its torch's own
     assert needs["torchvision"]["why"] == "the target (h200-offline) has it"
+    # the vLLM release's sources and its rendered profile
+    assert (root / "bundle" / "vllm-src" / f"vllm-{wheel_cache.VLLM_VERSION}.dist-info").is_dir()
+    manifest = json.loads((root / "bundle" / "rendered" / "manifest.json").read_text())
+    assert manifest["profile"] == patch.DEFAULT_PROFILE
+    # vLLM 0.34.0 needs huggingface_hub >=2 (the target has 1.33.0): a pure copy is carried
+    assert carried["packages"]["huggingface_hub"]["version"].startswith("2.")
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "GPU_CHECK_OUT")}
     log = tmp_path / "standin.log"
@@ -363,6 +392,12 @@ def test_bundle_runs_on_the_simulated_offline_gpu_machine(
         if canonicalize_name(name) in REFERENCE_LACKS:
             assert used[name] == {"used": "bundle", "version": carried["packages"][name]["version"],
                                   "why": "not on this machine"}  # fmt: skip
+    # the machine has them older than the bundle's: the bundle's are used
+    for name, version in [*((n, v) for n, (v, _) in REFERENCE_TOO_OLD.items()),
+                          ("huggingface_hub", "1.33.0")]:  # fmt: skip
+        ours = carried["packages"][name]["version"]
+        why = f"this machine's {version} is older than the bundle's {ours}"
+        assert used[name] == {"used": "bundle", "version": ours, "why": why}
     assert f"gpu-check: of {len(used)} carried packages, " in proc.stdout
     # the CUDA path's imports, as on the GPU, stopped where a device is needed
     cuda_line = next(line for line in proc.stdout.splitlines() if "CUDA path" in line)
