@@ -86,12 +86,18 @@ def build_table(
     out_dir: str | os.PathLike[str],
     *,
     force: bool = False,
+    rebuild: bool = False,
     chunk_mib: float = DEFAULT_CHUNK_MIB,
     verify_count: int = DEFAULT_VERIFY_ROWS,
     log: TextIO | None = None,
     quiet: bool = False,
 ) -> tuple[str, TableMeta]:
-    """Build (or confirm) the packed table; returns ("built"|"up-to-date", metadata)."""
+    """Build (or confirm) the packed table; returns ("built"|"up-to-date", metadata).
+
+    force: replace a table built from another snapshot or geometry (the source fingerprint:
+    snapshot id, shard files and sizes, the index's sha256). rebuild: build and publish anew
+    even when the table is up to date (the new one replaces it only once it is complete).
+    """
     log = log or sys.stderr
     plan = plan_build(snapshot_dir)
     out = Path(out_dir)
@@ -101,10 +107,10 @@ def build_table(
         meta, broken = _current(out)
         if meta is not None:
             diff = plan.mismatch(meta)
-            if not diff:
+            if not diff and not rebuild:
                 _clean_leftovers(out, keep=meta.data_file)
                 return "up-to-date", meta
-            if not force:
+            if diff and not force:
                 raise BuildError(
                     f"{out / META_NAME} was built from a different snapshot or geometry "
                     f"(differs in: {', '.join(diff)}); "

@@ -33,6 +33,9 @@ def add_parser(subparsers: Any, name: str) -> None:
             "--force", action="store_true", help="rebuild a table whose metadata does not match"
         )
         p.add_argument(
+            "--rebuild", action="store_true", help="rebuild even a table that is up to date"
+        )
+        p.add_argument(
             "--chunk-mib", type=float, default=DEFAULT_CHUNK_MIB, help="rows copied per chunk (MiB)"
         )
         p.add_argument(
@@ -83,6 +86,7 @@ def _run_build(args: argparse.Namespace) -> int:
             args.snapshot,
             args.out_dir,
             force=args.force,
+            rebuild=args.rebuild,
             chunk_mib=args.chunk_mib,
             verify_count=args.verify_rows,
             quiet=args.quiet,

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hf_snapshot import hf_cache_snapshot
 
 from sparkple.builder.build import build_table
 from sparkple.builder.plan import plan_build
@@ -119,6 +120,33 @@ def test_stale_table_is_refused_then_forced(snapshots, tmp_path):
     new = read_meta(out)
     assert new.data_file != old.data_file and not (out / old.data_file).exists()
     assert new.data_path(out).read_bytes() == reference_table(other)
+
+
+def test_a_new_revision_of_the_same_sizes_is_rebuilt_as_the_role_runs_it(tmp_path):
+    """A re-quantized checkpoint: a new revision whose files have the same names and sizes (the
+    stamp of names and sizes roles/ple_table once kept could not tell them apart). The builder's
+    source fingerprint (the revision, the index's sha256) and global scale do: run as the role
+    runs it (--force), the table is rebuilt from the new revision; run again, it is up to date;
+    --rebuild (ple_table_force) builds anew even then."""
+    old = hf_cache_snapshot(tmp_path / "a", files=2, seed=1, rev="rev-old")
+    new = hf_cache_snapshot(tmp_path / "b", files=2, seed=2, rev="rev-new")
+
+    def sizes(snapshot: Path) -> list[tuple[str, int]]:
+        return sorted((p.name, p.stat().st_size) for p in snapshot.glob("*.safetensors*"))
+
+    assert sizes(old) == sizes(new)
+    out = tmp_path / "table"
+    assert "build-table: published" in cli("build-table", old, out, "--force").stdout
+    res = cli("build-table", new, out, "--force", "--quiet")
+    assert res.returncode == 0 and "build-table: published" in res.stdout, res.stderr
+    meta = read_meta(out)
+    assert meta.source.snapshot_id == "rev-new"
+    assert meta.data_path(out).read_bytes() == reference_table(new)
+    again = cli("build-table", new, out, "--force", "--quiet")
+    assert again.returncode == 0 and "is up to date" in again.stdout
+    rebuilt = cli("build-table", new, out, "--force", "--quiet", "--rebuild")
+    assert rebuilt.returncode == 0 and "build-table: published" in rebuilt.stdout
+    assert read_meta(out).data_file != meta.data_file and not (out / meta.data_file).exists()
 
 
 def test_builder_imports_only_stdlib_and_numpy(snapshots, tmp_path):
