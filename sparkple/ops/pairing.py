@@ -69,6 +69,8 @@ class PairMember(Supervisor):
             args.pair_listen,
             args.pair_peer_url,
             read_key(args.pair_key_file),
+            pair=args.pair,
+            rank=args.pair_rank,
             starting=self.starting_side(),
         )
         self.link_error: str | None = None

@@ -2,18 +2,24 @@
 other's (sparkple.ops.pairing).
 
   GET /pair?nonce=HEX   this node's side as JSON (PAIR_FIELDS), as of its supervisor's last
-                        check, with X-Sparkple-Pair-Mac: HMAC-SHA256(key, nonce || body) in hex
+                        check, with X-Sparkple-Pair-Mac: the answer's MAC (see `mac`)
 
-There is nothing to control over it: each supervisor acts only on its own unit, from what it
-reads. The answer is the snapshot the loop published after its last check, so a request never
-waits for a check or a command. Before the first check ends the snapshot says so: state
-"starting", with the pair, host, rank and role, and nothing else known yet.
+The link serves no command, but what it carries steers the pair: the worker starts and stops
+its serving unit from the head's `want_worker` and `generation`, and each side stops serving
+when the other's release differs. So an answer counts only when it comes from the peer itself:
+the answer is the snapshot the loop published after its last check (a request never waits for
+a check or a command; before the first check ends the snapshot says so: state "starting", with
+the pair, host, rank and role, and nothing else known yet).
 
-The link is authenticated with the pair's shared key (the inventory's vault, a 0600 file on
-each node): the reader sends a fresh random nonce and takes the answer only when its MAC over
-that nonce and the body verifies, so a host on the link network without the key cannot answer
-as the peer, and a replay of an earlier answer fails. A read is bounded in total time and in
-size: a peer that trickles its answer, or sends too much, is a peer that did not answer.
+The link is authenticated with the pair's shared key (the inventory's vault, one key for each
+pair, a 0600 file on each node): the reader sends a fresh random nonce and takes the answer
+only when its MAC verifies. The MAC covers, each with its length, the protocol's name, the
+nonce, the pair's name, the answering node's rank and the body: a host on the link network
+without the key cannot answer as the peer, a replay of an earlier answer fails, an answer
+cannot be re-cut into another nonce and body, and a node of another pair (or this pair's other
+rank) cannot stand in for the peer even where two pairs were given one key. A read is bounded
+in total time and in size: a peer that trickles its answer, or sends too much, is a peer that
+did not answer.
 """
 
 from __future__ import annotations
@@ -80,8 +86,18 @@ def read_key(path: Path) -> bytes:
     return key
 
 
-def mac(key: bytes, nonce: bytes, body: bytes) -> str:
-    return hmac.new(key, nonce + body, hashlib.sha256).hexdigest()
+# the MAC's domain: another protocol's MAC under the same key is never one of these
+MAC_CONTEXT = b"sparkple-pair-link/2"
+
+
+def mac(key: bytes, nonce: bytes, pair: str, rank: int, body: bytes) -> str:
+    """HMAC-SHA256 over the context, the nonce, the pair, the answering rank and the body, each
+    after its length (8 bytes, big-endian): no two different tuples give the same message."""
+    message = b"".join(
+        len(part).to_bytes(8, "big") + part
+        for part in (MAC_CONTEXT, nonce, pair.encode(), str(rank).encode(), body)
+    )
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
 
 
 @dataclass
@@ -97,8 +113,20 @@ class PairLink:
     """This node's /pair server (a daemon thread) and a reader of the peer's."""
 
     def __init__(
-        self, listen: str, peer_url: str, key: bytes, starting: dict[str, Any] | None = None
+        self,
+        listen: str,
+        peer_url: str,
+        key: bytes,
+        *,
+        pair: str,
+        rank: int,
+        starting: dict[str, Any] | None = None,
     ) -> None:
+        """This node is `rank` of `pair`: it signs its answers as that, and takes answers only
+        as the other rank of the same pair."""
+        if rank not in (0, 1):
+            raise ValueError(f"pair rank {rank!r}: a pair's ranks are 0 (head) and 1 (worker)")
+        self.pair, self.rank, self.peer_rank = pair, rank, 1 - rank
         self.address = parse_listen(listen)
         self.peer_url = peer_url.rstrip("/") + "/pair"
         parsed = urllib.parse.urlsplit(self.peer_url)
@@ -139,7 +167,7 @@ class PairLink:
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
-                self.send_header(MAC_HEADER, mac(link.key, raw, body))
+                self.send_header(MAC_HEADER, mac(link.key, raw, link.pair, link.rank, body))
                 self.end_headers()
                 self.wfile.write(body)
 
@@ -176,12 +204,14 @@ class PairLink:
             name, _, value = line.partition(":")
             headers[name.strip().lower()] = value.strip()
         signature = headers.get(MAC_HEADER.lower(), "")
-        if not hmac.compare_digest(signature, mac(self.key, nonce, body)):
+        if not hmac.compare_digest(
+            signature, mac(self.key, nonce, self.pair, self.peer_rank, body)
+        ):
             what = "a wrong" if signature else "no"
             return Answer(
-                error=f"{self.peer_url} answered with {what} MAC for this read: not the peer "
-                "(another host, an old answer replayed, or a different serving_supervisor_pair_key "
-                "on the two nodes)"
+                error=f"{self.peer_url} answered with {what} MAC for this read: not pair "
+                f"{self.pair}'s rank {self.peer_rank} (another host or pair, an old answer "
+                "replayed, or a different serving_supervisor_pair_key on the two nodes)"
             )
         try:
             data = json.loads(body)

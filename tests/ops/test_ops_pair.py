@@ -104,7 +104,9 @@ class Node:
 
     def side(self) -> dict:
         """Its /pair answer, read and verified as its peer reads it."""
-        answer = PairLink(f"127.0.0.1:{free_port()}", f"http://127.0.0.1:{self.link}", KEY).fetch()
+        # read as its peer (the other rank of p1) reads it
+        answer = PairLink(f"127.0.0.1:{free_port()}", f"http://127.0.0.1:{self.link}", KEY,
+                          pair="p1", rank=1 - self.rank).fetch()  # fmt: skip
         assert answer.side is not None, answer.error
         return answer.side
 

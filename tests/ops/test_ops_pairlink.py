@@ -13,21 +13,24 @@ import pytest
 from lab_inputs import free_port
 from link_servers import ANSWER, RawServer
 
-from sparkple.ops.pairlink import MAX_ANSWER, PairLink, read_key
+from sparkple.ops.pairlink import MAX_ANSWER, PairLink, mac, read_key
 
 KEY = b"the-pair-key-0123456789abcdef"
 SIDE = {"pair": "p1", "rank": 1, "role": "worker", "state": "running", "generation": 3}
 
 
-def reader(port: int, key: bytes = KEY) -> PairLink:
-    return PairLink(f"127.0.0.1:{free_port()}", f"http://127.0.0.1:{port}", key)
+def reader(port: int, key: bytes = KEY, pair: str = "p1", rank: int = 0) -> PairLink:
+    """The head of pair p1 (by default), reading its worker's side."""
+    return PairLink(
+        f"127.0.0.1:{free_port()}", f"http://127.0.0.1:{port}", key, pair=pair, rank=rank
+    )
 
 
 @pytest.fixture
 def peer() -> Iterator[PairLink]:
     """The peer's real pair link, serving SIDE."""
     port = free_port()
-    link = PairLink(f"127.0.0.1:{port}", "http://127.0.0.1:1", KEY)
+    link = PairLink(f"127.0.0.1:{port}", "http://127.0.0.1:1", KEY, pair="p1", rank=1)
     assert link.serve() is None
     link.publish(SIDE)
     yield link
@@ -42,12 +45,31 @@ def test_the_peer_with_the_key_is_read(peer):
 def test_before_its_first_check_the_link_answers_starting():
     port = free_port()
     starting = {"pair": "p1", "host": "spark-a", "rank": 0, "state": "starting", "updated": None}
-    link = PairLink(f"127.0.0.1:{port}", "http://127.0.0.1:1", KEY, starting=starting)
+    link = PairLink(f"127.0.0.1:{port}", "http://127.0.0.1:1", KEY, pair="p1", rank=1,
+                    starting=starting)  # fmt: skip
     assert link.serve() is None
     try:
         assert reader(port).fetch().side == starting
     finally:
         link.close()
+
+
+def test_the_mac_binds_the_answer_to_its_pair_and_rank(peer):
+    """One key given to two pairs (or a node of this pair answering as the other rank): the
+    MAC names the pair and the answering rank, so neither stands in for the peer."""
+    other_pair = reader(peer.address[1], pair="p2").fetch()
+    assert other_pair.side is None and "not pair p2's rank 1" in (other_pair.error or "")
+    same_rank = reader(peer.address[1], rank=1).fetch()  # a worker reading a worker
+    assert same_rank.side is None and "wrong MAC" in (same_rank.error or "")
+
+
+def test_the_mac_frames_its_parts() -> None:
+    """Each part goes in after its length: moving bytes between the nonce and the body, or
+    between the pair and the rank, changes the MAC."""
+    nonce, body = bytes(range(16)), b'{"a": 1}'
+    assert mac(KEY, nonce, "p1", 1, body) != mac(KEY, nonce + body[:1], "p1", 1, body[1:])
+    assert mac(KEY, nonce, "p1", 1, body) != mac(KEY, nonce, "p", 11, body)
+    assert mac(KEY, nonce, "p1", 1, body) == mac(KEY, nonce, "p1", 1, body)
 
 
 def test_a_reader_with_another_key_refuses_the_answer(peer):
