@@ -241,3 +241,16 @@ def test_vllms_own_backends_drop_the_packed_table_and_add_their_engram_config(
         name = BACKENDS[host]
         assert f"with vLLM's own PLE backend {name} (an A/B run: no packed table)." in units[host]
     assert "with the PLE table read from NVMe." in units["spark-c"]
+
+
+def test_the_jit_caches_are_kept_on_the_data_volume(units: dict[str, str]) -> None:
+    """Triton's, inductor's and FlashInfer's JIT caches live under vLLM's cache directory, the
+    data volume's vllm-cache mounted read-write: the --rm container keeps them across starts."""
+    for host in ("spark-a", "spark-c", "spark-d"):
+        words = exec_start(units[host])
+        env = dict(e.split("=", 1) for e in pairs(words, "--env"))
+        (cache,) = [v for v in pairs(words, "--volume") if v.endswith(":/root/.cache/vllm:rw")]
+        assert cache.startswith("/") and "vllm-cache" in cache, cache
+        assert env["TRITON_CACHE_DIR"] == "/root/.cache/vllm/triton"
+        assert env["TORCHINDUCTOR_CACHE_DIR"] == "/root/.cache/vllm/inductor"
+        assert env["FLASHINFER_WORKSPACE_BASE"] == "/root/.cache/vllm/flashinfer"
