@@ -75,3 +75,14 @@ def test_the_example_inventory_keeps_data_on_the_root_file_system() -> None:
     for host, hv in hosts["sparks"]["hosts"].items():
         device = (hv or {}).get("nvme_storage_device", "")
         assert not re.fullmatch(r"/dev/nvme0n1p\d+", device), f"{host}: {device} is the OS disk"
+
+
+def test_a_named_data_device_is_measured_itself(tmp_path: Path) -> None:
+    """Before nvme_storage mounts a named device, the data dir's file system is the root one:
+    the device's own size counts (here a device that is not there)."""
+    msg = preflight(tmp_path, nvme_storage_device="/dev/sparkple-no-such-disk")
+    assert (
+        f"the data device /dev/sparkple-no-such-disk named for {tmp_path / 'data'} (not found)"
+        in msg
+    )
+    assert "GiB free for" not in msg
