@@ -300,3 +300,39 @@ def test_the_rollout_refuses_a_release_its_plan_refuses_before_draining_anything
     assert "drop disk_offload from vllm_service_extra_args" in proc.stdout, proc.stdout[-3000:]
     assert "PLAY [Canary]" not in proc.stdout, "no host was drained or stopped"
     assert not (site / "releases").exists() or not any((site / "releases").iterdir())
+
+
+def test_the_package_version_is_part_of_the_release(site: Path) -> None:
+    """A release records the package version the host runs (sparkple_package's link), so a new
+    package makes a new release, and its deploy mounts that version, not the link: a rollback
+    brings back the package the release ran with."""
+    vllm_service = site / "roles" / "vllm_service" / "tasks"
+    vllm_service.mkdir(parents=True)
+    # like the real one, it stands on sparkple_common (the shared names)
+    (vllm_service.parent / "meta").mkdir()
+    (vllm_service.parent / "meta" / "main.yml").write_text("dependencies: [sparkple_common]\n")
+    (vllm_service / "main.yml").write_text(
+        "- ansible.builtin.copy:\n"
+        "    content: \"{{ {'package_dir': vllm_service_package_dir} | to_json }}\"\n"
+        f"    dest: {site / 'vllm_service.json'}\n"
+        "    mode: '0644'\n"
+    )
+    package, versions = site / "opt" / "sparkple", site / "opt" / "sparkple.versions"
+    first, second = "1" * 64, "2" * 64
+    for fingerprint in (first, second):
+        (versions / fingerprint[:16]).mkdir(parents=True)
+        (versions / fingerprint[:16] / ".fingerprint").write_text(fingerprint + "\n")
+    package.symlink_to(versions / first[:16])
+    where = {"sparkple_package_dir": str(package)}
+    a, _ = run(site, "activate", **where)
+    recorded = json.loads((site / "releases" / a["id"] / "release.json").read_text())
+    assert recorded["inputs"]["package"] == first
+    package.unlink()
+    package.symlink_to(versions / second[:16])  # sparkple_package switched to a new version
+    b, _ = run(site, "activate", **where)
+    assert b["id"] != a["id"]
+    back, _ = run(site, "rollback", **where)
+    assert back["current"] == a["id"]
+    run(site, "deploy", release_service_role="vllm_service", **where)
+    handed = json.loads((site / "vllm_service.json").read_text())
+    assert handed == {"package_dir": str(versions / first[:16])}
