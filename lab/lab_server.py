@@ -60,10 +60,10 @@ two nodes (docs/tensor-parallel.md; the link itself is lab_pair.py):
   as the real patch's rank check does (sparkple/runtime/rankcheck.py).
 
 Its command line is the subset of `vllm serve`'s that the service's unit passes (ACCEPTED_FLAGS
-of the serving recipe, sparkple.serving.recipe; tests/vllm checks each flag against vLLM
-0.33.0's own parser): anything else is refused like vLLM refuses an unknown argument (exit 2),
-and JSON-valued flags must be valid JSON, so a unit that mangles an argument fails in the lab
-too. The lab's own knobs are env vars:
+of the serving recipe, sparkple.serving.recipe; tests/vllm checks each flag against the default
+release's own parser, vLLM 0.34.0's): anything else is refused like vLLM refuses an unknown
+argument (exit 2), and JSON-valued flags must be valid JSON, so a unit that mangles an argument
+fails in the lab too. The lab's own knobs are env vars:
 SPARKPLE_LAB_ENGINE_TIMEOUT_S, the bound on each reply of the engine (seconds, default 30), and
 SPARKPLE_LAB_TOKEN_DELAY_S, the time the engine takes per token (seconds, default 0), so that a
 generation can last as long as a real one, and SPARKPLE_LAB_HEALTH_FAIL_FILE, a path: while a

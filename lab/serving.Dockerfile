@@ -1,6 +1,7 @@
 # The lab's stand-in for the serving image (vllm/vllm-openai on a real Spark):
-# Debian's Python 3, numpy and the patch engine's dependencies, the real vLLM 0.33.0
-# Python sources at the image's package path, and the lab server as entrypoint.
+# Debian's Python 3, numpy and the patch engine's dependencies, the real vLLM Python sources of
+# one release at the image's package path (.ci/lab-images builds one image per release, tagged
+# vllm-VERSION: 0.34.0, the default the lab serves, and 0.33.0), and the lab server as entrypoint.
 # It does not run vLLM: it has no GPU and no compiled vLLM kernels.
 FROM local/sparkple-lab-python:bookworm
 COPY site-packages/ /usr/local/lib/python3.11/dist-packages/
