@@ -7,14 +7,16 @@ it, before hours go into the checkpoint, the table and the patches.
 Prints one JSON object: the image's torch and its CUDA, whether CUDA sees a GPU, the GPU's name
 and compute capability, and whether Triton compiles and runs the packed table's NVFP4 decode
 kernel there with the numpy decode's values. Exit 0: all of that holds; 3: no GPU is visible
-(the lab, or a container started without --gpus: reported, not a verdict on the image); 1: the
-image cannot serve (its torch has no CUDA, or the kernel fails or decodes wrong).
+(the lab, or a container started without --gpus: reported, not a verdict on the image; also an
+image without torch there, as the lab's stand-in is); 1: the image cannot serve (no torch, a
+torch without CUDA, or the kernel fails or decodes wrong).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 NO_GPU = 3
@@ -60,11 +62,23 @@ def check() -> tuple[int, dict[str, Any]]:
     return 0, report
 
 
+def gpu_device_nodes() -> bool:
+    """Whether the container was given an NVIDIA GPU (docker --gpus adds its device nodes)."""
+    return any(Path("/dev").glob("nvidia[0-9]*"))
+
+
 def main() -> int:
     try:
         code, report = check()
     except ImportError as exc:
-        code, report = 1, {"problem": f"the image lacks {exc.name}: {exc}"}
+        # without a GPU (the lab's stand-in image has no torch either) that is the report
+        code = 1 if gpu_device_nodes() else NO_GPU
+        report = {"problem": f"the image lacks {exc.name}: {exc}"}
+        if code == NO_GPU:
+            report = {
+                "problem": "no GPU visible in the container",
+                "torch": f"missing ({exc})",
+            }
     print(json.dumps(report, sort_keys=True))
     return code
 

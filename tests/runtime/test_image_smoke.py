@@ -50,3 +50,15 @@ def test_on_a_gpu_the_decode_kernel_runs_and_decodes_right() -> None:
     code, report = smoke(python)
     assert code == 0, report
     assert report["triton_decode"] == "equal to the numpy decode" and len(report["capability"]) == 2
+
+
+def test_an_image_without_torch_and_without_a_gpu_reports_no_gpu() -> None:
+    """The lab's stand-in image (numpy, no torch) run without --gpus: exit 3, as preflight
+    reports a missing GPU in the lab; the package alone on the path, no site-packages."""
+    done = subprocess.run(
+        [sys.executable, "-S", "-m", "sparkple.runtime.image_smoke"],
+        capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 3, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert report["problem"] == "no GPU visible in the container" and "missing" in report["torch"]
