@@ -40,6 +40,7 @@ bound() { # seconds the next step may take: its limit, or what is left of the bu
 export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 gpu_tests=(
     tests/pkg/test_gpu.py
+    tests/runtime/test_image_smoke.py
     tests/runtime/test_worker.py
     tests/vllm/test_gpu_check.py
     tests/vllm/test_vllm_integration.py
