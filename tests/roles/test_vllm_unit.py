@@ -254,3 +254,13 @@ def test_the_jit_caches_are_kept_on_the_data_volume(units: dict[str, str]) -> No
         assert env["TRITON_CACHE_DIR"] == "/root/.cache/vllm/triton"
         assert env["TORCHINDUCTOR_CACHE_DIR"] == "/root/.cache/vllm/inductor"
         assert env["FLASHINFER_WORKSPACE_BASE"] == "/root/.cache/vllm/flashinfer"
+
+
+def test_the_unit_starts_vllm_serve_itself(units: dict[str, str]) -> None:
+    """`--entrypoint vllm` and `serve` after the image: the unit does not rely on the image's own
+    entrypoint (vllm/vllm-openai's is `vllm serve`, NGC's vLLM image has none)."""
+    for host in ("spark-a", "spark-c", "spark-d"):
+        words = exec_start(units[host])
+        image = words.index("sparkple:test")
+        assert pairs(words[:image], "--entrypoint") == ["vllm"], host
+        assert words[image + 1] == "serve", words[image : image + 3]
