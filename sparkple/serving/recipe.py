@@ -182,10 +182,9 @@ class Recipe:
         "FULL_DECODE_ONLY",
         Served({"--compilation-config": "json"}, _cudagraph_mode),
     )
-    # a factory, not a literal default: the role's default is the site knob's,
-    # "{{ sparkple_ple_backend | default('packed') }}", which resolves to this one
+    # the role's default is the site knob's, "{{ sparkple_ple_backend | default('packed') }}"
     ple_backend: str = field(
-        default_factory=lambda: "packed",
+        default="packed",
         metadata={
             "var": "vllm_service_ple_backend",
             "served": Served({"--engram-config": "json"}, _engram_config, owned=False),
