@@ -222,23 +222,32 @@ def request_states(max_model_len: int):
         )
 
 
+def kernel_order_decode(codes, scales, weight_scale_2, tokens: int) -> torch.Tensor:
+    """NVFP4 rows (codes [rows, 80], E4M3 block scales [rows, 10]) decoded in the order of
+    vLLM's CUDA lookup kernel, with vLLM's nibble decoder: (E2M1 x block scale) x global scale,
+    in float32, as [tokens, heads x 160]."""
+    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
+        break_fp4_bytes,
+    )
+
+    rows = codes.shape[0]
+    e2m1 = break_fp4_bytes(codes, torch.float32)
+    blocks = e2m1.reshape(rows, -1, 16) * scales.float().unsqueeze(-1)
+    return (blocks * weight_scale_2.float().reshape(())).reshape(tokens, -1)
+
+
 def kernel_order_step(layer, input_ids, query_start_loc, ngram_context) -> torch.Tensor:
     """The stock layer's rows decoded in the order of vLLM's CUDA lookup kernel.
 
     vLLM 0.33 multiplies (E2M1 x block scale) x global scale in its CUDA kernel but
     E2M1 x (block scale x global scale) on CPU; in float32 the two can differ in the last bit.
-    This applies the kernel's order to the stock layer's own rows, with vLLM's nibble decoder.
+    This applies the kernel's order to the stock layer's own rows.
     """
-    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
-        break_fp4_bytes,
-    )
-
     ids = layer.compute_ngram_ids(input_ids, query_start_loc, ngram_context).reshape(-1)
     table = layer.ngram_embedding
-    e2m1 = break_fp4_bytes(table.weight[ids], torch.float32)
-    blocks = e2m1.reshape(ids.shape[0], -1, 16) * table.weight_scale[ids].float().unsqueeze(-1)
-    rows = blocks * table.weight_scale_2.float().reshape(())
-    return rows.reshape(input_ids.shape[0], -1)
+    return kernel_order_decode(
+        table.weight[ids], table.weight_scale[ids], table.weight_scale_2, input_ids.shape[0]
+    )
 
 
 def disk_offload_layer(module, config, snapshot: Path, prefix: str, dtype: torch.dtype):
@@ -268,22 +277,15 @@ def disk_offload_step(module, layer, input_ids, query_start_loc, ngram_context) 
     rows as the PLE layer reads them; NVFP4 rows from its staged planes decoded in the order
     of its CUDA kernel (the decode is a Triton kernel, as the stock rows are: kernel_order_step).
     """
-    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
-        break_fp4_bytes,
-    )
-
     embedding = layer.ngram_embedding
     module.stage_checkpoint_rows([(layer, embedding)], input_ids, query_start_loc, ngram_context)
     if not embedding._nvfp4:
         return forward(layer, input_ids, query_start_loc, ngram_context)
     tokens = input_ids.shape[0]
-    codes, scales = (staging[:tokens] for staging, _, _ in embedding._planes.values())
-    rows = codes.shape[0] * codes.shape[1]
-    e2m1 = break_fp4_bytes(codes.reshape(rows, -1), torch.float32)
-    blocks = e2m1.reshape(rows, -1, 16) * scales.reshape(rows, -1).float().unsqueeze(-1)
-    rows = blocks * embedding.weight_scale_2.float().reshape(())
+    codes, scales = (staging[:tokens].flatten(0, 1) for staging, _, _ in embedding._planes.values())
     # the kernel writes the layer's dtype
-    return rows.reshape(tokens, -1).to(embedding.params_dtype)
+    rows = kernel_order_decode(codes, scales, embedding.weight_scale_2, tokens)
+    return rows.to(embedding.params_dtype)
 
 
 def stock_rows(stock, input_ids, query_start_loc, ngram_context, dtype) -> torch.Tensor:
