@@ -649,23 +649,13 @@ def _run(args: argparse.Namespace) -> int:
         )
         return 2
     if whole:
-        base = args.vocab_base or 300
-        path = synth_whole_model(
-            args.out,
-            quant=quant,
-            vocab_base=base,
-            files=files,
-            seed=args.seed,
-            shards=shards,
-            progress=lambda line: print(line, flush=True),
-        )
-        print(f"wrote a whole tiny model with a {quant} PLE table to {path}")
-        return 0
-    width = RowFormat.for_quant(quant, 160).row_width  # make_config's head_dim
-    base = args.vocab_base or 1000
-    if args.table_gib is not None:
-        base = vocab_base_for_bytes(int(args.table_gib * 2**30), width)
-    path = synth_checkpoint(
+        make, base = synth_whole_model, args.vocab_base or 300
+    else:
+        width = RowFormat.for_quant(quant, 160).row_width  # make_config's head_dim
+        make, base = synth_checkpoint, args.vocab_base or 1000
+        if args.table_gib is not None:
+            base = vocab_base_for_bytes(int(args.table_gib * 2**30), width)
+    path = make(
         args.out,
         quant=quant,
         vocab_base=base,
@@ -674,5 +664,8 @@ def _run(args: argparse.Namespace) -> int:
         shards=shards,
         progress=lambda line: print(line, flush=True),
     )
-    print(f"wrote synthetic {quant} snapshot to {path} (ngram_vocab_size_base {base})")
+    if whole:
+        print(f"wrote a whole tiny model with a {quant} PLE table to {path}")
+    else:
+        print(f"wrote synthetic {quant} snapshot to {path} (ngram_vocab_size_base {base})")
     return 0
