@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -26,20 +27,29 @@ def ansible_playbook() -> str:
 
 def run_playbook(
     workdir: Path,
-    playbook: str,
+    playbook: str | Path,
     variables: dict[str, object],
     *,
     more_roles: Path | None = None,
+    inventory: Mapping[str, object] | None = None,
     timeout: int = 180,
 ) -> subprocess.CompletedProcess[str]:
-    """Write `playbook` to workdir/play.yml and run it on localhost with `variables` as -e."""
+    """Run `playbook` (its text, written to workdir/play.yml, or a playbook file) with
+    `variables` as -e: on localhost (connection local), or on `inventory` (written to
+    workdir/hosts.yml; its hosts say how they are reached)."""
     found = ansible_playbook()
-    (workdir / "play.yml").write_text(playbook)
+    if isinstance(playbook, str):
+        (workdir / "play.yml").write_text(playbook)
+        playbook = Path("play.yml")
     roles_path = str(ROOT / "roles") + (f":{more_roles}" if more_roles else "")
     env = dict(os.environ, ANSIBLE_ROLES_PATH=roles_path)
     env.pop("ANSIBLE_CONFIG", None)  # cwd is workdir: no ansible.cfg of the checkout applies
     variables = {"ansible_python_interpreter": sys.executable, **variables}
+    hosts = ["-i", "localhost,", "-c", "local"]
+    if inventory is not None:
+        (workdir / "hosts.yml").write_text(json.dumps(inventory))
+        hosts = ["-i", "hosts.yml"]
     return subprocess.run(
-        [found, "-i", "localhost,", "-c", "local", "play.yml", "-e", json.dumps(variables)],
+        [found, *hosts, str(playbook), "-e", json.dumps(variables)],
         cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip

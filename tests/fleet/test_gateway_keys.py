@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -19,8 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
-from ansible_local import ansible_playbook
+from ansible_local import run_playbook
 from lab_inputs import free_port, lab_server
 
 from sparkple.builder.build import build_table
@@ -68,9 +65,7 @@ def haproxy(tmp_path: Path, sparks: dict[str, int]) -> Iterator[int]:
         "sparks": {"hosts": {h: {"gateway_server_address": "127.0.0.1", "sparkple_api_port": p}
                              for h, p in sparks.items()}},
     }  # fmt: skip
-    (tmp_path / "hosts.yml").write_text(yaml.safe_dump(inventory))
     variables = {
-        "ansible_python_interpreter": sys.executable,
         "out": str(tmp_path / "haproxy.cfg"),
         "gateway_bind_address": "127.0.0.1",
         "gateway_port": port,
@@ -80,13 +75,7 @@ def haproxy(tmp_path: Path, sparks: dict[str, int]) -> Iterator[int]:
         "gateway_backend_api_key": SPARK_KEY,
         "gateway_check_interval_s": 1,
     }
-    (tmp_path / "play.yml").write_text(PLAY)
-    env = dict(os.environ)
-    env.pop("ANSIBLE_CONFIG", None)
-    done = subprocess.run(
-        [ansible_playbook(), "-i", "hosts.yml", "play.yml", "-e", json.dumps(variables)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = run_playbook(tmp_path, PLAY, variables, inventory=inventory, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     config = tmp_path / "haproxy.cfg"
     check = subprocess.run(["haproxy", "-c", "-f", str(config)], capture_output=True, text=True)

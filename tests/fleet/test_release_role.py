@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ansible_local import ansible_playbook, run_playbook
+from ansible_local import run_playbook
 from hf_snapshot import hf_cache_snapshot
 
 pytestmark = pytest.mark.slow  # about 3 s per ansible-playbook run on an idle machine
@@ -272,7 +272,6 @@ def test_the_rollout_refuses_a_release_its_plan_refuses_before_draining_anything
     offload beside the packed table stops the rollout there, with the knob to change."""
     snapshot = hf_cache_snapshot(site / "model", files=2, seed=1)
     variables = {
-        "ansible_python_interpreter": sys.executable,
         "ansible_become": False,
         "rollout_group": "all",
         "sparkple_data_dir": str(site),
@@ -287,14 +286,7 @@ def test_the_rollout_refuses_a_release_its_plan_refuses_before_draining_anything
         "release_name": "A",
         "release_service_vars": {"extra_args": ['--engram-config={"disk_offload": true}']},
     }
-    env = dict(os.environ, ANSIBLE_ROLES_PATH=str(ROOT / "roles"))
-    env.pop("ANSIBLE_CONFIG", None)
-    rollout = str(ROOT / "playbooks" / "rollout.yml")
-    proc = subprocess.run(
-        [ansible_playbook(), "-i", "localhost,", "-c", "local", rollout,
-         "-e", json.dumps(variables)],
-        cwd=site, env=env, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+    proc = run_playbook(site, ROOT / "playbooks" / "rollout.yml", variables)
     assert proc.returncode != 0, proc.stdout
     assert "Plan the new release's server, or refuse it before anything is stopped" in proc.stdout
     assert "drop disk_offload from vllm_service_extra_args" in proc.stdout, proc.stdout[-3000:]

@@ -5,16 +5,13 @@ machine; site.yml itself refuses before anything changes."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from ansible_local import ansible_playbook, run_playbook
+from ansible_local import run_playbook
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAY = f"""
@@ -64,19 +61,12 @@ def gateway_checks(
             }
         }
     }
-    (tmp_path / "hosts.yml").write_text(yaml.safe_dump(inventory))
     play = [{"hosts": "gateway", "gather_facts": False,
              "vars_files": [str(ROOT / "roles" / "gateway" / "defaults" / "main.yml")],
              "tasks": checks}]  # fmt: skip
-    (tmp_path / "play.yml").write_text(yaml.safe_dump(play))
-    env = dict(os.environ)
-    env.pop("ANSIBLE_CONFIG", None)
     # the gateway's own values as extra vars: they win over the role defaults the play reads
-    extra = {"ansible_python_interpreter": sys.executable, "sparkple_api_port": 8000, **gateway}
-    return subprocess.run(
-        [ansible_playbook(), "-i", "hosts.yml", "play.yml", "-e", json.dumps(extra)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    extra = {"sparkple_api_port": 8000, **gateway}
+    return run_playbook(tmp_path, yaml.safe_dump(play), extra, inventory=inventory, timeout=120)
 
 
 KEYED = {"spark-1": {"sparkple_api_key": "spark-key"}, "spark-2": {"sparkple_api_key": "spark-key"}}
@@ -116,15 +106,9 @@ def test_site_yml_refuses_an_open_api_before_anything_changes(tmp_path: Path) ->
     """The real site.yml on an inventory whose Spark serves 0.0.0.0 with no key: it stops at
     the first task of its first role, with nothing changed."""
     inventory = {"sparks": {"hosts": {"spark-open": {
-        "ansible_connection": "local", "ansible_python_interpreter": sys.executable,
-        "ansible_become": False, "sparkple_api_host": "0.0.0.0"}}}}  # fmt: skip
-    (tmp_path / "hosts.yml").write_text(yaml.safe_dump(inventory))
-    env = dict(os.environ, ANSIBLE_ROLES_PATH=str(ROOT / "roles"))
-    env.pop("ANSIBLE_CONFIG", None)
-    done = subprocess.run(
-        [ansible_playbook(), "-i", "hosts.yml", str(ROOT / "site.yml")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        "ansible_connection": "local", "ansible_become": False,
+        "sparkple_api_host": "0.0.0.0"}}}}  # fmt: skip
+    done = run_playbook(tmp_path, ROOT / "site.yml", {}, inventory=inventory)
     assert done.returncode != 0
     assert "Refuse an API open to the network without a key" in done.stdout, done.stdout[-3000:]
     assert "Set sparkple_api_key" in done.stdout and "sparkple_api_insecure: true" in done.stdout
