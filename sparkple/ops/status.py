@@ -1,7 +1,9 @@
 """The host's serving status in one report: the supervisor's, the watchdog's and the probe's
 state, the incidents of the last 24 h, the kernel's error counts, MemAvailable now and, given
 the table's directory, whether a table is published there (`supervisor status`, which
-playbooks/status.yml reads, and the line of the supervisor's daily heartbeat)."""
+playbooks/status.yml reads, and the line of the supervisor's daily heartbeat), and the table's
+NVMe drive: each controller's live APST latency tolerance (sparkple.nvme; kernel_tuning sets it,
+0 keeping the drive out of its idle power states) and the kernel's default for new ones."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import nvme
 from ..errors import TableError
 from ..meminfo import read_meminfo
 from ..runtime.tablemeta import META_NAME, read_meta
@@ -32,7 +35,11 @@ def state_options() -> argparse.ArgumentParser:
 
 
 def report(
-    state_dir: Path, kmsg: Path, io_device: str = "", table_dir: Path | None = None
+    state_dir: Path,
+    kmsg: Path,
+    io_device: str = "",
+    table_dir: Path | None = None,
+    sysfs: Path = nvme.SYSFS,
 ) -> dict[str, Any]:
     now = time.time()
     sup = read_json(state_dir / "supervisor.json", None)
@@ -52,7 +59,21 @@ def report(
         "pair": pair_status(sup),
         "mem_available_bytes": read_meminfo().get("MemAvailable"),
         "table": table_status(table_dir) if table_dir is not None else None,
+        "table_drive": drive_status(table_dir, io_device, sysfs),
     }
+
+
+def drive_status(table_dir: Path | None, device: str, sysfs: Path) -> dict[str, Any] | None:
+    """The table's drive and its APST latency (sparkple.nvme's report), found from the table's
+    directory, else from its block device; None when neither is known or it cannot be read."""
+    try:
+        if table_dir is not None:
+            return nvme.report(nvme.locate(table_dir, sysfs), sysfs)
+        if device:
+            return nvme.report(nvme.locate_device(device, sysfs), sysfs)
+    except OSError:
+        return None
+    return None
 
 
 def table_status(table_dir: Path) -> dict[str, Any]:
@@ -132,6 +153,7 @@ def one_line(rep: dict[str, Any]) -> str:
         f"{len(rep['incidents_24h'])}, MemAvailable "
         f"{wd.get('mem_available_bytes', 0) // (1024 * 1024)} MiB, "
         + kernel_line(rep["kernel_errors"], rep.get("table_device"))
+        + (f", {nvme.line(rep['table_drive'])}" if rep.get("table_drive") else "")
     )
 
 
@@ -165,6 +187,8 @@ def status(
         lines.append(
             f"table: {table['state']}" + (f" ({table['error']})" if "error" in table else "")
         )
+    if rep["table_drive"]:
+        lines.append(nvme.line(rep["table_drive"]))
     if rep["pair"]:
         lines.insert(2, pair_line(rep["pair"]))
     lines += [f"  {m['time_iso']} {m['kind']}: {m['reason']}" for m in rep["incidents_24h"]]

@@ -64,6 +64,10 @@ def run_role(work: Path, **knobs: object) -> subprocess.CompletedProcess[str]:
             f"/usr/bin/env PYTHONPATH={ROOT} {sys.executable} -m sparkple.ops.sysctl "
             f"--proc-sys {proc_sys}"
         ),
+        # the table's NVMe drive: tests/roles/test_kernel_tuning_nvme.py, on a fake sysfs tree
+        "kernel_tuning_nvme_latency_tolerance_us": None,
+        "kernel_tuning_nvme_unit": str(work / "sparkple-nvme-latency.service"),
+        "kernel_tuning_grub_dropin": str(work / "60-sparkple-nvme.cfg"),
         **knobs,
     }
     (work / "play.yml").write_text(
