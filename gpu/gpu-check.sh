@@ -23,6 +23,7 @@ cd "$root"
 checks=(
     "graph harness/gpu_graph_check.py"
     "host_split harness/gpu_host_split.py"
+    "disk_offload harness/gpu_disk_offload.py"
 )
 limit=${GPU_CHECK_TIMEOUT_S:-200}
 # On a GPU the whole run ends within GPU_CHECK_BUDGET_S (default 450 s: under 8 minutes with

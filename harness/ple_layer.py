@@ -250,9 +250,12 @@ def kernel_order_step(layer, input_ids, query_start_loc, ngram_context) -> torch
     )
 
 
-def disk_offload_layer(module, config, snapshot: Path, prefix: str, dtype: torch.dtype):
+def disk_offload_layer(
+    module, config, snapshot: Path, prefix: str, dtype: torch.dtype, max_tokens: int | None = None
+):
     """vLLM's own disk-offload backend (0.34: `--engram-config '{"disk_offload": true}'`),
-    built and loaded as vLLM builds it, or None where the release has none (0.33).
+    built and loaded as vLLM builds it, or None where the release has none (0.33). Its staging
+    holds `max_tokens` tokens (MAX_TOKENS as set when called, by default).
 
     vLLM refuses disk_offload off CUDA when it validates an EngramConfig, so the flag is set
     on a validated one; what runs on a CPU is the backend's host half (its file offsets from
@@ -265,7 +268,8 @@ def disk_offload_layer(module, config, snapshot: Path, prefix: str, dtype: torch
     disk = EngramConfig(cpu_offload=False)
     object.__setattr__(disk, "disk_offload", True)
     with config_fields(get_current_vllm_config(), engram_config=disk):
-        layer, _ = build(module, config, snapshot, prefix, dtype)
+        tokens = MAX_TOKENS if max_tokens is None else max_tokens
+        layer, _ = build(module, config, snapshot, prefix, dtype, tokens)
     assert type(layer.ngram_embedding).__name__ == "Qwen4ExpPLEDiskOffloadEmbedding"
     return layer
 

@@ -321,7 +321,8 @@ def test_bundle_runs_on_the_simulated_offline_gpu_machine(
         tar.extractall(tmp_path / "unpacked", filter="data")
     root = tmp_path / "unpacked" / "sparkple-gpu-check"
     # the check scripts gpu-check.sh runs, and the harness they import, are carried
-    for script in ("__init__.py", "gpu_graph_check.py", "gpu_host_split.py", "ple_equivalence.py"):
+    for script in ("__init__.py", "gpu_graph_check.py", "gpu_host_split.py", "gpu_disk_offload.py",
+                   "ple_equivalence.py"):  # fmt: skip
         assert (root / "harness" / script).is_file(), script
     carried = json.loads((root / "bundle" / "carried.json").read_text())
     assert carried["target"] == {"name": "h200-offline", "arch": "x86_64", "python": "3.12",
@@ -385,6 +386,11 @@ def test_bundle_runs_on_the_simulated_offline_gpu_machine(
     for seen in steps.values():
         assert seen["rows_equal_stock"]
         assert seen["before_sync_us"] > 0 and seen["after_sync_us"] >= 0
+    # vLLM 0.34's disk offload against the packed table, step kind by step kind: the same rows
+    offload = json.loads((out / "disk_offload.json").read_text())
+    assert offload["ok"], offload
+    assert list(offload["kinds"]) == ["decode@1", "decode@8", "mtp 4x4", "prompt chunk"]
+    assert all(kind["staged_equal"] for kind in offload["kinds"].values())
     # the machine lacks them, so the bundle's copies are used, and the report says which
     used = json.loads((out / "carried.json").read_text())
     assert set(used) == set(carried["packages"])
