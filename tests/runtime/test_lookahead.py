@@ -3,12 +3,14 @@ on a real cold file (the advice recorded at the call that reaches the kernel).""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
 from sparkple.runtime.lookahead import Lookahead
 from sparkple.runtime.ngram import row_ids
-from sparkple.runtime.pagecache import PAGE_SIZE
+from sparkple.runtime.pagecache import PAGE_SIZE, resident_pages
 from sparkple.runtime.prefetch import plan_page_numbers
 from sparkple.runtime.stats import PLEStats
 from sparkple.runtime.table import open_table
@@ -112,5 +114,100 @@ def test_a_zero_window_advises_nothing(table, built_table):
         look.add("a", lambda: prompt_ids(built_table, 100, 4))
         assert look.idle()
         assert stats.snapshot()["counters"]["lookahead_pages_advised"] == 0
+    finally:
+        look.close()
+
+
+def granule_pages(ids: np.ndarray, table, start: int, stop: int) -> list[np.ndarray]:
+    return [
+        plan_page_numbers(ids[first : first + GRANULE], table.row_width)
+        for first in range(start, stop, GRANULE)
+    ]
+
+
+def test_nearer_tokens_pages_are_advised_before_farther_ones(table, built_table, monkeypatch):
+    """The advice reaches the kernel granule after granule in token order (each granule's
+    pages in one sorted run), so a nearer chunk's pages are all asked for before a farther
+    chunk's."""
+    ids = prompt_ids(built_table, 320, seed=5)
+    look = Lookahead(table, 64 * 2**20, granule_tokens=GRANULE, inflight_bytes=0)
+    log = AdviceLog(look._prefetcher, monkeypatch)
+    try:
+        look.add("a", lambda: ids, start=32)
+        assert look.idle()
+        expected = np.concatenate(granule_pages(ids, table, 32, 320)).tolist()
+        assert log.pages == expected
+    finally:
+        look.close()
+
+
+def test_farther_pages_are_advised_only_as_nearer_ones_come_in(table, built_table, monkeypatch):
+    """At most `inflight_bytes` of advised pages are not yet known to be in: before the
+    lookahead advises a granule, the pages of the granules more than that bound behind it were
+    read (the lookahead's own fault on each waited for its read), so they are resident then."""
+    ids = prompt_ids(built_table, 320, seed=6)
+    granules = granule_pages(ids, table, 0, 320)
+    bound = 2 * max(p.size for p in granules)  # room for two granules in flight
+    look = Lookahead(table, 64 * 2**20, granule_tokens=GRANULE, inflight_bytes=bound * PAGE_SIZE)
+    log = AdviceLog(look._prefetcher, monkeypatch)
+    rows = table.rows
+    behind: list[float] = []  # at each advice: the resident share of the pages waited for
+    add = log.add
+
+    def checking(ranges):
+        with log._lock:
+            advised = len(log.pages)
+        done = sum(1 for p in np.cumsum([p.size for p in granules]) if p <= advised)
+        waited = granules[: max(0, done - 2)]  # all but the two granules still in flight
+        if waited:
+            pages = np.concatenate(waited)
+            resident = resident_pages(rows.ctypes.data, rows.nbytes)
+            behind.append(float(resident[pages].mean()))
+        add(ranges)
+
+    monkeypatch.setattr(log, "add", checking)
+    try:
+        look.add("a", lambda: ids, start=0)
+        assert look.idle()
+        assert log.pages == np.concatenate(granules).tolist()  # every granule, in order
+        assert look.peak_inflight_pages <= bound
+        assert len(behind) >= len(granules) - 3  # from the fourth granule on
+        assert behind == [1.0] * len(behind)
+    finally:
+        look.close()
+
+
+def test_the_tokens_a_step_gathers_come_in_before_anything_beyond(table, built_table, monkeypatch):
+    """A step gathering tokens [0, 64) has their pages read (its own advice puts them in
+    flight): the lookahead advises nothing beyond them until they are in, and never advises
+    them itself."""
+    ids = prompt_ids(built_table, 200, seed=7)
+    planned = threading.Event()
+
+    def plan() -> np.ndarray:
+        planned.wait(10)  # the step's report comes first, as when planning takes a while
+        return ids
+
+    look = Lookahead(table, 64 * 2**20, granule_tokens=GRANULE)
+    log = AdviceLog(look._prefetcher, monkeypatch)
+    rows = table.rows
+    gathered = plan_page_numbers(ids[:64], table.row_width)
+    at_first_advice: list[float] = []
+    add = log.add
+
+    def checking(ranges):
+        if not at_first_advice:
+            resident = resident_pages(rows.ctypes.data, rows.nbytes)
+            at_first_advice.append(float(resident[gathered].mean()))
+        add(ranges)
+
+    monkeypatch.setattr(log, "add", checking)
+    try:
+        look.add("a", plan, start=0)
+        look.consumed("a", 64)
+        planned.set()
+        assert look.idle()
+        assert log.pages == np.concatenate(granule_pages(ids, table, 64, 200)).tolist()
+        assert at_first_advice == [1.0]
     finally:
         look.close()
