@@ -9,9 +9,18 @@
 - `sparkple bench record` turns vLLM's results and two snapshots into one host's record: output
   tok/s, TTFT and ITL p50/p99 per case, prefill tok/s, MTP acceptance, PLE disk bytes per
   generated token, MemAvailable and the live kernel settings.
+- `sparkple bench warmup` puts a short load on the server before a run, round after round,
+  until the GPU's SM clock (sparkple.gpuclock) is steady: two rounds in a row within a share of
+  each other; where there is no clock to read (no `nvidia-smi`: the lab), until two rounds in a
+  row agree in tok/s. The record keeps the rounds and the clock it left the GPU at.
 - `sparkple bench report` prints the records as a table beside the published figures (other
   prompts and settings: labelled as published) and, with matplotlib (the `[bench]` extra), plots
   tok/s against concurrency per host.
+- `sparkple bench ab` compares the four records of an A/B run, A B B A on one Spark
+  (sparkple/serving/ab.py).
+
+A record also says what it was measured under: the GPU clock after the run and the table
+drive's power-state settings that sysfs shows (drive_power_state).
 
 Standard library only, except the plot.
 """
@@ -20,12 +29,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import statistics
+import threading
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+from sparkple import gpuclock
 from sparkple.meminfo import read_meminfo
+from sparkple.serving import speedgate
 
 WORKLOADS = ("prose", "code")
 PREFILL = "prefill"
@@ -108,6 +123,116 @@ def snapshot(metrics_url: str, textfile_dir: Path, api_key: str = "") -> dict[st
     return values
 
 
+def drive_power_state(path: Path, sys_root: Path = Path("/sys")) -> dict[str, str] | None:
+    """The power-state settings sysfs shows for the NVMe drive that holds `path` (the table),
+    without nvme-cli: the controller's PM QoS latency tolerance (what caps how deep a power
+    state autonomous power-state transitions may enter) and nvme_core's default APST latency
+    cap. None where the path is not on an NVMe drive or sysfs says nothing (the lab)."""
+    try:
+        st_dev = os.stat(path).st_dev
+        block = (sys_root / "dev" / "block" / f"{os.major(st_dev)}:{os.minor(st_dev)}").resolve()
+    except OSError:
+        return None
+    if block.name.startswith("dm-"):  # LVM or crypt on top: the first device under it
+        under = sorted((block / "slaves").glob("*")) if (block / "slaves").is_dir() else []
+        block = under[0].resolve() if under else block
+    found = re.match(r"nvme(\d+)(?:c\d+)?n\d+", block.name)
+    if found is None:
+        return None
+    controller = f"nvme{found.group(1)}"
+    state = {"device": controller}
+    readable = {
+        "pm_qos_latency_tolerance_us": sys_root / "class" / "nvme" / controller / "power"
+        / "pm_qos_latency_tolerance_us",
+        "apst_max_latency_us": sys_root / "module" / "nvme_core" / "parameters"
+        / "default_ps_max_latency_us",
+    }  # fmt: skip
+    for name, source in readable.items():
+        try:
+            state[name] = source.read_text().strip()
+        except OSError:
+            continue
+    return state
+
+
+def describe_drive(state: dict[str, str] | None) -> str:
+    if not state:
+        return "none"
+    return " ".join([state["device"], *(f"{k}={v}" for k, v in sorted(state.items())
+                                         if k != "device")])  # fmt: skip
+
+
+def load_round(
+    url: str, model: str, api_key: str, streams: int, max_tokens: int, deadline: float,
+    clock: Any, every_s: float = 0.5,
+) -> dict[str, Any]:  # fmt: skip
+    """One warm-up round: `streams` completions at once (speedgate's client), its output tok/s
+    and the median SM clock read while it ran (None with no clock to read)."""
+    seen: list[int] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while True:
+            reading = clock()
+            if reading is not None:
+                seen.append(int(reading[0]))
+            if reading is None or done.wait(every_s):
+                return
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        rate = speedgate.tok_s(url, model, api_key, streams, 1, max_tokens, deadline)
+    finally:
+        done.set()
+        sampler.join()
+    return {"tok_s": round(rate, 2), "sm_mhz": int(statistics.median(seen)) if seen else None}
+
+
+def steady(a: dict[str, Any], b: dict[str, Any], within: float) -> bool:
+    """Whether two warm-up rounds in a row show a steady GPU: their SM clocks within `within`
+    of the higher one; where either has no clock, their tok/s within `within` instead."""
+    if a["sm_mhz"] is not None and b["sm_mhz"] is not None:
+        return not gpuclock.differ(int(a["sm_mhz"]), int(b["sm_mhz"]), within)
+    return bool(abs(a["tok_s"] - b["tok_s"]) <= within * max(a["tok_s"], b["tok_s"]))
+
+
+def warm_up(
+    url: str, model: str, api_key: str, streams: int, max_tokens: int, within: float,
+    rounds: int, timeout_s: float, clock: Any = gpuclock.sm_clock,
+) -> dict[str, Any]:  # fmt: skip
+    """Warm-up rounds until two in a row are steady (the GPU clock, or tok/s where there is no
+    clock), at most `rounds`: each round's figures, whether it got steady and by what, and the
+    SM clock (current, max MHz; None: none) it left the GPU at."""
+    if rounds < 2 or not 0 < within < 1 or streams < 1 or max_tokens < 1:
+        raise ValueError("the warm-up needs >= 2 rounds, >= 1 stream and token, 0 < within < 1")
+    deadline = time.monotonic() + timeout_s
+    seen: list[dict[str, Any]] = []
+    while len(seen) < rounds:
+        seen.append(load_round(url, model, api_key, streams, max_tokens, deadline, clock))
+        if len(seen) >= 2 and steady(seen[-2], seen[-1], within):
+            break
+    last = clock()
+    return {
+        "rounds": seen,
+        "steady": len(seen) >= 2 and steady(seen[-2], seen[-1], within),
+        "by": "GPU clock" if seen[-1]["sm_mhz"] is not None else "tok/s",
+        "within": within,
+        "gpu_clock_mhz": list(last) if last is not None else None,
+    }
+
+
+def describe_warmup(warmup: dict[str, Any] | None) -> str:
+    if not warmup:
+        return "no warm-up"
+    word = "steady" if warmup["steady"] else "NOT steady"
+    return f"{word} by {warmup['by']} after {len(warmup['rounds'])} rounds"
+
+
+def describe_clock(clock: list[int] | None) -> str:
+    return f"{clock[0]}/{clock[1]} MHz" if clock else "none"
+
+
 def delta(before: dict[str, float], after: dict[str, float], name: str) -> float | None:
     return after[name] - before[name] if name in before and name in after else None
 
@@ -120,8 +245,12 @@ def record(
     after: dict[str, float],
     kernel: dict[str, str],
     meminfo: dict[str, int],
+    conditions: dict[str, Any] | None = None,
+    ab: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One host's record from vLLM's per-case results (results/*.json) and two snapshots."""
+    """One host's record from vLLM's per-case results (results/*.json) and two snapshots;
+    conditions: what it ran under (warm-up, GPU clock, drive power state); ab: its place in an
+    A/B run (arm, run, position, release name)."""
     cases = []
     for path in sorted(results.glob("*.json")):
         result = json.loads(path.read_text())
@@ -146,6 +275,8 @@ def record(
             round(meminfo["MemAvailable"] / 2**30, 2) if "MemAvailable" in meminfo else None
         ),
         "kernel": kernel,
+        "conditions": conditions or {},
+        **({"ab": ab} if ab else {}),
         "time": after.get("time"),
     }
 
@@ -184,6 +315,13 @@ def report(records: list[dict[str, Any]]) -> str:
             parts.append(f"PLE disk {rec['ple_disk_bytes_per_token'] / 1024:.1f} KiB/token")
         if rec.get("mem_available_gib") is not None:
             parts.append(f"MemAvailable {rec['mem_available_gib']} GiB")
+        cond = rec.get("conditions") or {}
+        if "gpu_clock_after_mhz" in cond:
+            parts.append(f"GPU clock {describe_clock(cond['gpu_clock_after_mhz'])}")
+        if "drive" in cond:
+            parts.append(f"drive {describe_drive(cond['drive'])}")
+        if "warmup" in cond:
+            parts.append(f"warm-up {describe_warmup(cond['warmup'])}")
         kernel = ", ".join(f"{k.split('.', 1)[1]}={v}" for k, v in sorted(rec["kernel"].items()))
         extras.append(f"{rec['host']}: {'; '.join([*parts, kernel] if kernel else parts)}")
     published = [["published (other prompts and settings)", *(f"@{c}" for c in (1, 8, 16))]]
@@ -261,9 +399,30 @@ def run(args: argparse.Namespace) -> int:
                 kernel[name] = path.read_text().strip()
         after = snapshot(args.metrics_url, Path(args.textfile_dir), args.api_key)
         meminfo = {} if args.no_host else read_meminfo()
+        conditions: dict[str, Any] = {}
+        if args.warmup:
+            conditions["warmup"] = read_json(args.warmup)
+        if not args.no_host:
+            clock = gpuclock.sm_clock()
+            conditions["gpu_clock_after_mhz"] = list(clock) if clock else None
+            table_dir = Path(args.table_dir) if args.table_dir else None
+            conditions["drive"] = drive_power_state(table_dir) if table_dir else None
+        ab = ({"arm": args.ab_arm, "run": args.ab_run, "position": args.ab_position,
+               "release_name": args.ab_release_name} if args.ab_arm else None)  # fmt: skip
         rec = record(args.host, args.release, Path(args.results), read_json(args.before), after,
-                     kernel, meminfo)  # fmt: skip
+                     kernel, meminfo, conditions, ab)  # fmt: skip
         write_json(args.out, rec)
+    elif args.step == "warmup":
+        figures = warm_up(args.url.rstrip("/"), args.model, os.environ.get("OPENAI_API_KEY", ""),
+                          args.streams, args.max_tokens, args.within, args.rounds,
+                          args.timeout_s)  # fmt: skip
+        write_json(args.out, figures)
+        print(f"warm-up: {describe_warmup(figures)}, GPU clock "
+              f"{describe_clock(figures['gpu_clock_mhz'])}: {figures['rounds']}")  # fmt: skip
+    elif args.step == "ab":
+        from sparkple.serving import ab as ab_report
+
+        return ab_report.run(args)
     else:
         records = [read_json(p) for p in args.records]
         text = report(records)
@@ -304,8 +463,30 @@ def add_parser(sub: Any, name: str) -> None:
     rec.add_argument(
         "--no-host", action="store_true", help="through the gateway: no MemAvailable or sysctls"
     )
+    rec.add_argument("--warmup", default="", help="the warm-up's JSON (sparkple bench warmup)")
+    rec.add_argument("--table-dir", default="", help="the table: its drive's power state")
+    rec.add_argument("--ab-arm", default="", choices=["", "A", "B"], help="an A/B run's arm")
+    rec.add_argument("--ab-run", type=int, default=0, help="the arm's first or second run")
+    rec.add_argument("--ab-position", type=int, default=0, help="the run's place in A B B A")
+    rec.add_argument("--ab-release-name", default="", help="the arm's release name")
+    warm = steps.add_parser("warmup", help="load the server until the GPU is steady")
+    warm.add_argument("--url", required=True, help="the server's API, e.g. http://127.0.0.1:8000")
+    warm.add_argument("--model", required=True, help="the served model name")
+    warm.add_argument("--out", required=True)
+    warm.add_argument("--streams", type=int, default=8, help="completions at once a round")
+    warm.add_argument("--max-tokens", type=int, default=64, help="tokens a completion")
+    warm.add_argument("--within", type=float, default=0.05,
+                      help="two rounds in a row this close (a share): steady")  # fmt: skip
+    warm.add_argument("--rounds", type=int, default=10, help="the most rounds")
+    warm.add_argument("--timeout-s", type=float, default=300, help="the warm-up's bound")
     rep = steps.add_parser("report", help="the table (and plot) of host records")
     rep.add_argument("records", nargs="+")
     rep.add_argument("--plot", default="", help="a PNG of tok/s against concurrency")
     rep.add_argument("--table", default="", help="also write the table to this file")
+    abr = steps.add_parser("ab", help="the A/B table (and plot) of an A B B A run's records")
+    abr.add_argument("records", nargs="+")
+    abr.add_argument("--min-band", type=float, default=0.03, help="the narrowest noise band")
+    abr.add_argument("--plot", default="", help="a PNG of each figure's B/A ratio and noise band")
+    abr.add_argument("--table", default="", help="also write the table to this file")
+    abr.add_argument("--json", default="", help="also write the comparison as JSON")
     p.set_defaults(func=run)

@@ -130,6 +130,10 @@ def test_the_playbook_runs_vllms_benchmark_and_keeps_the_record_and_the_table(
         "sparkple_benchmark_model_dir": str(snap),
         "sparkple_benchmark_results_dir": str(tmp_path / "results"),
         "sparkple_benchmark_metrics_unit": "",  # no systemd, no ple_metrics here
+        # a short warm-up: no GPU clock here, so until two rounds agree in tok/s
+        "sparkple_benchmark_warmup_streams": 2,
+        "sparkple_benchmark_warmup_max_tokens": 8,
+        "sparkple_benchmark_warmup_within": 0.25,
     }
     env = {k: v for k, v in os.environ.items() if k != "ANSIBLE_CONFIG"}
     env["ANSIBLE_ROLES_PATH"] = str(ROOT / "roles")
@@ -154,6 +158,13 @@ def test_the_playbook_runs_vllms_benchmark_and_keeps_the_record_and_the_table(
     assert cases[("prefill", 1)]["prefill_tok_s"] > 0
     assert rec["kernel"]["vm.swappiness"] == Path("/proc/sys/vm/swappiness").read_text().strip()
     assert rec["mem_available_gib"] > 0
+    # what it ran under: warmed up until steady (by tok/s: no GPU clock to read here), the clock
+    # after it (none) and the table drive's power state (this machine's: none without NVMe)
+    cond = rec["conditions"]
+    assert cond["warmup"]["steady"] and cond["warmup"]["by"] == "tok/s", cond
+    assert len(cond["warmup"]["rounds"]) >= 2 and cond["gpu_clock_after_mhz"] is None
+    assert cond["drive"] == benchmark.drive_power_state(data / "table")
+    assert "warm-up: steady by tok/s after " in proc.stdout
     table = (run / "table.txt").read_text()
     assert "spark-1  none     prose" in table and "published (other prompts and settings)" in table
     assert (run / "tok-s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
