@@ -20,7 +20,7 @@
   (sparkple/serving/ab.py).
 
 A record also says what it was measured under: the GPU clock after the run and the table
-drive's power-state settings that sysfs shows (drive_power_state).
+drive's power-state settings (drive_power_state, from sparkple.nvme).
 
 Standard library only, except the plot.
 """
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import threading
 import time
@@ -38,7 +37,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from sparkple import gpuclock
+from sparkple import gpuclock, nvme
 from sparkple.meminfo import read_meminfo
 from sparkple.serving import speedgate
 
@@ -123,43 +122,19 @@ def snapshot(metrics_url: str, textfile_dir: Path, api_key: str = "") -> dict[st
     return values
 
 
-def drive_power_state(path: Path, sys_root: Path = Path("/sys")) -> dict[str, str] | None:
-    """The power-state settings sysfs shows for the NVMe drive that holds `path` (the table),
-    without nvme-cli: the controller's PM QoS latency tolerance (what caps how deep a power
-    state autonomous power-state transitions may enter) and nvme_core's default APST latency
-    cap. None where the path is not on an NVMe drive or sysfs says nothing (the lab)."""
+def drive_power_state(path: Path, sysfs: Path = nvme.SYSFS) -> dict[str, Any] | None:
+    """The power-state settings of the NVMe drive that holds `path` (the table): sparkple.nvme's
+    report (each controller's APST latency tolerance, nvme_core's default). None where the path
+    is on no NVMe drive (the lab)."""
     try:
-        st_dev = os.stat(path).st_dev
-        block = (sys_root / "dev" / "block" / f"{os.major(st_dev)}:{os.minor(st_dev)}").resolve()
+        rep = nvme.report(nvme.locate(path, sysfs), sysfs)
     except OSError:
         return None
-    if block.name.startswith("dm-"):  # LVM or crypt on top: the first device under it
-        under = sorted((block / "slaves").glob("*")) if (block / "slaves").is_dir() else []
-        block = under[0].resolve() if under else block
-    found = re.match(r"nvme(\d+)(?:c\d+)?n\d+", block.name)
-    if found is None:
-        return None
-    controller = f"nvme{found.group(1)}"
-    state = {"device": controller}
-    readable = {
-        "pm_qos_latency_tolerance_us": sys_root / "class" / "nvme" / controller / "power"
-        / "pm_qos_latency_tolerance_us",
-        "apst_max_latency_us": sys_root / "module" / "nvme_core" / "parameters"
-        / "default_ps_max_latency_us",
-    }  # fmt: skip
-    for name, source in readable.items():
-        try:
-            state[name] = source.read_text().strip()
-        except OSError:
-            continue
-    return state
+    return rep if rep["controllers"] else None
 
 
-def describe_drive(state: dict[str, str] | None) -> str:
-    if not state:
-        return "none"
-    return " ".join([state["device"], *(f"{k}={v}" for k, v in sorted(state.items())
-                                         if k != "device")])  # fmt: skip
+def describe_drive(state: dict[str, Any] | None) -> str:
+    return nvme.line(state) if state else "none"
 
 
 def load_round(

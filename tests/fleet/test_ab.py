@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_sysfs import PCI, controller, disk, on
 from lab_inputs import lab_server
 
 from harness import wheel_cache
@@ -95,45 +96,22 @@ def test_runs_that_are_not_a_b_b_a_of_one_release_per_arm_are_not_compared() -> 
 def test_the_drive_power_state_is_read_from_sysfs_for_the_drive_that_holds_the_path(
     tmp_path: Path,
 ) -> None:
-    table = tmp_path / "table.bin"
-    table.write_bytes(b"x")
-    dev = os.stat(table).st_dev
-    sys_root = tmp_path / "sys"
-
-    def disk(name: str, parents: str) -> Path:
-        node = sys_root / "devices" / parents / name
-        node.mkdir(parents=True)
-        link = sys_root / "dev" / "block" / f"{os.major(dev)}:{os.minor(dev)}"
-        link.parent.mkdir(parents=True, exist_ok=True)
-        if link.is_symlink():
-            link.unlink()
-        link.symlink_to(node)
-        return node
-
-    assert benchmark.drive_power_state(table, sys_root) is None  # no such device in sysfs
-    disk("sda1", "pci0000:00/0000:00:17.0/ata1/host0/block/sda")
-    assert benchmark.drive_power_state(table, sys_root) is None  # not NVMe: none
-    disk("nvme1n1p2", "pci0000:00/0000:01:00.0/nvme/nvme1/nvme1n1")
-    assert benchmark.drive_power_state(table, sys_root) == {"device": "nvme1"}  # nothing readable
-    power = sys_root / "class" / "nvme" / "nvme1" / "power"
-    power.mkdir(parents=True)
-    (power / "pm_qos_latency_tolerance_us").write_text("100000\n")
-    params = sys_root / "module" / "nvme_core" / "parameters"
-    params.mkdir(parents=True)
-    (params / "default_ps_max_latency_us").write_text("5500\n")
-    state = benchmark.drive_power_state(table, sys_root)
-    assert state == {"device": "nvme1", "pm_qos_latency_tolerance_us": "100000",
-                     "apst_max_latency_us": "5500"}  # fmt: skip
-    assert benchmark.describe_drive(state) == (
-        "nvme1 apst_max_latency_us=5500 pm_qos_latency_tolerance_us=100000"
-    )
-    # LVM on the drive: the device under the mapper's
-    mapper = disk("dm-0", "virtual/block")
-    (mapper / "slaves").mkdir()
-    (mapper / "slaves" / "nvme1n1p2").symlink_to(
-        sys_root / "devices" / "pci0000:00/0000:01:00.0/nvme/nvme1/nvme1n1/nvme1n1p2"
-    )
-    assert benchmark.drive_power_state(table, sys_root) == state
+    """sparkple.nvme's report of the table's drive (tests/pkg/test_nvme.py covers the tree's
+    walk): none on no NVMe drive, else each controller's latency tolerance in the record."""
+    table = tmp_path / "table"
+    table.mkdir()
+    sysfs = tmp_path / "sys"
+    assert benchmark.drive_power_state(table, sysfs) is None  # no such device in sysfs
+    disk(sysfs, f"{PCI}/ata1/host0/target0:0:0/0:0:0:0/block", "sda", "8", parts=1)
+    on(sysfs, table, "sda1")
+    assert benchmark.drive_power_state(table, sysfs) is None  # not NVMe
+    disk(sysfs, controller(sysfs, "nvme1", knob="0"), "nvme1n1", "259", parts=2)
+    on(sysfs, table, "nvme1n1p2")
+    state = benchmark.drive_power_state(table, sysfs)
+    assert state is not None and state["device"] == "nvme1n1p2"
+    off = {"name": "nvme1", "latency_tolerance_us": "0", "apst": "APST off"}
+    assert state["controllers"] == [off]
+    assert benchmark.describe_drive(state).startswith("table drive nvme1n1p2: nvme1 APST off")
     assert benchmark.describe_drive(None) == "none"
 
 

@@ -7,46 +7,12 @@ cleanly where the device is not NVMe or the controller has no such knob."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
+from fake_sysfs import PCI, controller, disk, link, on
 
 from sparkple import nvme
-
-PCI = "devices/pci0000:00/0000:00:01.1/0000:01:00.0"
-
-
-def link(sysfs: Path, name: str, target: str) -> None:
-    """A relative symlink, as sysfs has them (so it resolves inside the fake tree)."""
-    where = sysfs / name
-    where.parent.mkdir(parents=True, exist_ok=True)
-    where.symlink_to(os.path.relpath(sysfs / target, where.parent))
-
-
-def controller(
-    sysfs: Path, name: str = "nvme0", knob: str | None = "100000", pci: str = PCI
-) -> str:
-    path = f"{pci}/nvme/{name}"
-    (sysfs / path).mkdir(parents=True)
-    if knob is not None:
-        (sysfs / path / "power").mkdir()
-        (sysfs / path / "power" / "pm_qos_latency_tolerance_us").write_text(f"{knob}\n")
-    link(sysfs, f"class/nvme/{name}", path)
-    return path
-
-
-def disk(sysfs: Path, parent: str, name: str, number: str, parts: int = 0) -> None:
-    path = f"{parent}/{name}"
-    (sysfs / path).mkdir(parents=True)
-    link(sysfs, f"class/block/{name}", path)
-    link(sysfs, f"dev/block/{number}:0", path)
-    for n in range(1, parts + 1):
-        (sysfs / path / f"{name}{'p' if name[-1].isdigit() else ''}{n}").mkdir()
-        part = f"{path}/{name}{'p' if name[-1].isdigit() else ''}{n}"
-        (sysfs / part / "partition").write_text(f"{n}\n")
-        link(sysfs, f"class/block/{Path(part).name}", part)
-        link(sysfs, f"dev/block/{number}:{n}", part)
 
 
 @pytest.fixture
@@ -59,16 +25,6 @@ def sysfs(tmp_path: Path) -> Path:
     (root / "module/nvme_core/parameters").mkdir(parents=True)
     (root / "module/nvme_core/parameters/default_ps_max_latency_us").write_text("100000\n")
     return root
-
-
-def on(sysfs: Path, path: Path, device: str) -> None:
-    """Make `path`'s real st_dev name `device` in the fake tree, as the kernel would."""
-    st = path.stat()
-    number = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-    here = sysfs / "dev" / "block" / number
-    if here.is_symlink():
-        here.unlink()
-    here.symlink_to(os.path.relpath((sysfs / "class/block" / device).resolve(), here.parent))
 
 
 def knob(sysfs: Path, name: str = "nvme0") -> Path:
