@@ -2,6 +2,7 @@
 probes the role ran on it and its knobs.
 
     preflight_missing: "{{ probes | preflight_problems(wants, sparkple_data_dir) }}"
+    preflight_nvme_script: "{{ 'nvme' | preflight_module_file }}"
 
 The package is this checkout's, the one sparkple_package installs.
 """
@@ -55,6 +56,18 @@ def typed(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def preflight_module_file(module: str) -> str:
+    """The path of one of the package's modules (`nvme` -> CHECKOUT/sparkple/nvme.py), for the
+    probes run on a host as scripts before sparkple_package has put the package there."""
+    path = CHECKOUT / "sparkple" / f"{module}.py"
+    if not path.is_file():
+        raise AnsibleFilterError(f"preflight_module_file: the package has no module {module!r}")
+    return str(path)
+
+
 class FilterModule:
     def filters(self) -> dict[str, Callable[..., object]]:
-        return {"preflight_problems": preflight_problems}
+        return {
+            "preflight_problems": preflight_problems,
+            "preflight_module_file": preflight_module_file,
+        }
