@@ -2,6 +2,15 @@
 /health, /metrics, /v1/models, /v1/completions and /v1/chat/completions, the requests it hands
 to the engine over its unix socket, and each reply in vLLM's shapes, a JSON body or server-sent
 events. It is NOT vLLM.
+
+A chat request that forces a tool call (`tool_choice: "required"`, or a named function) is
+answered as vLLM answers it (unstreamed only): vLLM constrains the output to the tools' JSON
+schema (tool_parsers/utils.py, get_json_schema_from_tools), so the lab fills the schema from
+the engine's tokens for the request (the chat's text and the tools): which tool ("required"),
+each enum's member, each number and each string come from them, so the call always parses and a
+table with other rows makes another call. Its message is vLLM's: content "", one tool call with
+a `chatcmpl-tool-` id, finish reason "tool_calls" ("length" with the arguments cut where
+max_tokens is under the call's TOOL_CALL_TOKENS).
 """
 
 from __future__ import annotations
@@ -13,7 +22,8 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
@@ -22,6 +32,8 @@ from lab_metrics import ServingMetrics
 
 # vLLM's default --max-num-seqs (the requests the scheduler runs at once).
 DEFAULT_MAX_NUM_SEQS = 256
+# The engine's tokens a forced tool call takes (the lab's call is short; its values cycle them).
+TOOL_CALL_TOKENS = 8
 
 
 def send_json(handler: BaseHTTPRequestHandler, code: int, body: dict[str, Any]) -> None:
@@ -147,6 +159,51 @@ def chat_prompt(messages: Any) -> str:
     return "\n".join(parts)
 
 
+def forced_tool(req: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The tools a chat request's tool_choice forces a call among (all of them for "required",
+    the named one), None where it forces none; ValueError as vLLM refuses the request."""
+    choice, tools = req.get("tool_choice"), req.get("tools")
+    if choice in (None, "none", "auto"):
+        return None
+    if not isinstance(tools, list) or not tools:
+        raise ValueError("When using `tool_choice`, `tools` must be set.")
+    functions = [t for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)]
+    if len(functions) != len(tools) or any("name" not in t["function"] for t in functions):
+        raise ValueError("each tool must be a function with a name")
+    if choice == "required":
+        return functions
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        named = [t for t in functions if t["function"]["name"] == name]
+        if not named:
+            raise ValueError(f"Tool '{name}' has not been passed in `tools`.")
+        return named
+    raise ValueError(f"unsupported tool_choice {json.dumps(choice)}")
+
+
+def fill(schema: Any, take: Callable[[], int]) -> Any:
+    """A value valid against `schema` (the subset tool parameters use), each choice made by the
+    next of the engine's tokens."""
+    schema = schema if isinstance(schema, dict) else {}
+    kind = schema.get("type")
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return schema["enum"][take() % len(schema["enum"])]
+    if kind == "object" or "properties" in schema:
+        return {name: fill(sub, take) for name, sub in schema.get("properties", {}).items()}
+    if kind in ("integer", "number"):
+        low = int(schema.get("minimum", 0))
+        high = int(schema.get("maximum", low + 100))
+        return low + take() % (high - low + 1)
+    if kind == "boolean":
+        return take() % 2 == 1
+    if kind == "array":
+        return [fill(schema.get("items", {}), take)]
+    if kind == "null":
+        return None
+    size = min(max(int(schema.get("minLength", 1)), 6), int(schema.get("maxLength", 6)))
+    return "".join(chr(ord("a") + take() % 26) for _ in range(size))
+
+
 class Reply:
     """One completion's answer in vLLM's shapes: a JSON body, or server-sent events."""
 
@@ -258,6 +315,46 @@ class Reply:
         body = {**self.envelope(kind, [choice]), "usage": usage, "sparkple_lab": lab}
         send_json(self.handler, 200, body)
 
+    def send_tool_call(self, prompt: str, tools: list[dict[str, Any]], max_tokens: int) -> None:
+        """A forced tool call, unstreamed: the engine's tokens for the chat's text and tools
+        choose the tool and fill its parameters' schema (vLLM's structured output)."""
+        schemas = json.dumps([t["function"] for t in tools], sort_keys=True)
+        count = min(max_tokens, TOOL_CALL_TOKENS)
+        tokens: list[int] = []
+        try:
+            for line in engine_steps(self.state, f"{prompt}\ntools: {schemas}", count):
+                if line.get("done"):
+                    break
+                tokens.append(int(line["token"]))
+        except EngineError as exc:
+            send_json(self.handler, exc.code, {"error": str(exc)})
+            return
+        self.state.metrics.observe_ttft(time.monotonic() - self.arrived)
+        turn = iter(range(1 << 30))
+
+        def take() -> int:
+            return tokens[next(turn) % len(tokens)]
+
+        tool = tools[take() % len(tools)]["function"]
+        arguments = json.dumps(fill(tool.get("parameters", {}), take))
+        finish = "tool_calls"
+        if count < TOOL_CALL_TOKENS:  # cut by max_tokens, as a real call would be
+            arguments, finish = arguments[: len(arguments) * count // TOOL_CALL_TOKENS], "length"
+        prompt_tokens = max(1, len(prompt.encode("utf-8")))
+        # the engine's reason (vLLM's metrics): the call ended (stop) or was cut (length)
+        reason = "length" if finish == "length" else "stop"
+        self.state.metrics.count_finished(prompt_tokens, len(tokens), reason)
+        call = {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+                "function": {"name": tool["name"], "arguments": arguments}}  # fmt: skip
+        message = {"role": "assistant", "content": "", "reasoning_content": None,
+                   "tool_calls": [call]}  # fmt: skip
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens),
+                 "total_tokens": prompt_tokens + len(tokens)}  # fmt: skip
+        lab = {"stand_in": "sparkple lab server, not vLLM"}
+        body = {**self.envelope("chat.completion", [choice]), "usage": usage, "sparkple_lab": lab}
+        send_json(self.handler, 200, body)
+
 
 def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
@@ -314,6 +411,9 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
                 if not isinstance(req, dict):
                     raise ValueError("the body must be a JSON object")
                 prompt = chat_prompt(req.get("messages")) if chat else str(req.get("prompt", ""))
+                tools = forced_tool(req) if chat else None
+                if tools is not None and req.get("stream") is True:
+                    raise ValueError("the lab server answers a forced tool call unstreamed only")
                 limit = req.get("max_completion_tokens") if chat else None
                 max_tokens = int(limit if limit is not None else req.get("max_tokens", 16))
             except (ValueError, TypeError) as exc:
@@ -336,7 +436,10 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
             state.slots.acquire()
             state.count(waiting=-1, running=1)
             try:
-                reply.send(prompt, max_tokens)
+                if tools is not None:
+                    reply.send_tool_call(prompt, tools, max_tokens)
+                else:
+                    reply.send(prompt, max_tokens)
             except (BrokenPipeError, ConnectionResetError):
                 log(f"the client of {reply.id} went away")
             finally:

@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "pair-check": "sparkple.serving.paircheck",
     "bench": "sparkple.serving.benchmark",
     "speed-gate": "sparkple.serving.speedgate",
+    "quality-gate": "sparkple.serving.qualitygate",
     "snapshot-manifest": "sparkple.manifest",
     "synth-checkpoint": "sparkple.builder.synth",
     "build-table": "sparkple.builder.tablecli",

@@ -66,8 +66,15 @@ def test_a_release_at_half_the_speed_fails_the_gate_naming_both_figures(
     checked = cli("check", "--new", str(new), "--old", str(old), "--host", "spark-2",
                   "--keep", str(keep))  # fmt: skip
     assert checked.returncode == 1, checked.stderr
-    line, each = checked.stdout.splitlines()
+    line, each, warmup, clock = checked.stdout.splitlines()
     assert line.startswith("speed gate: spark-2 ") and line.endswith(" < 0.9)")
+    # the conditions of both figures: the new one's measured here (the lab has no GPU clock)
+    assert warmup.startswith("speed gate: spark-2 warm-up: new ")
+    assert warmup.endswith("; old no warm-up recorded")
+    assert clock == (
+        "speed gate: spark-2 GPU clock: new none reported (no nvidia-smi); "
+        "old none reported (no nvidia-smi)"
+    )
     assert float(line.split("(ratio ")[1].split()[0]) <= 0.5
     assert "1 stream " in each and "4 streams " in each
     assert not keep.exists()  # a failed release's figures are no baseline
