@@ -33,6 +33,9 @@ HEAD, WORKER = "spark-a", "spark-b"
 PEER_TIMEOUT_S = 1.5
 # How soon the head must see its worker gone: a heartbeat missing for 3 s, and the polls.
 DETECT_S = 4.5
+# how long a node told to stop may take to exit cleanly: a bound for a loaded machine (CI runs
+# this beside the fleet scenario), not a speed the test asserts
+EXIT_S = 60
 
 
 def pair_at(master_port: int) -> Pair:
@@ -139,8 +142,8 @@ def test_head_is_healthy_only_once_its_worker_joined(start_node) -> None:
     # SIGTERM stops each side cleanly
     head.proc.send_signal(signal.SIGTERM)
     worker.proc.send_signal(signal.SIGTERM)
-    assert head.proc.wait(10) == 0
-    assert worker.proc.wait(10) == 0
+    assert head.proc.wait(EXIT_S) == 0
+    assert worker.proc.wait(EXIT_S) == 0
 
 
 def test_a_killed_worker_kills_the_heads_engine(start_node) -> None:
@@ -170,7 +173,7 @@ def test_a_stopped_worker_is_noticed_by_its_missing_heartbeat(start_node) -> Non
     wait_for(lambda: "is gone" in worker.output(), 10, "the worker seeing its head gone")
     assert worker.proc.poll() is None
     worker.proc.send_signal(signal.SIGTERM)
-    assert worker.proc.wait(10) == 0
+    assert worker.proc.wait(EXIT_S) == 0
 
 
 def test_a_worker_outlives_its_head_and_never_joins_another(start_node) -> None:
@@ -186,9 +189,9 @@ def test_a_worker_outlives_its_head_and_never_joins_another(start_node) -> None:
     code, body = request(second.port, "/health")
     assert code == 503 and body["error"].startswith("waiting for node 1"), body
     worker.proc.send_signal(signal.SIGTERM)
-    assert worker.proc.wait(10) == 0
+    assert worker.proc.wait(EXIT_S) == 0
     second.proc.send_signal(signal.SIGTERM)
-    assert second.proc.wait(10) == 0
+    assert second.proc.wait(EXIT_S) == 0
 
 
 def test_a_second_worker_is_refused(start_node) -> None:
@@ -262,11 +265,11 @@ def test_either_side_waiting_for_the_other_stops_cleanly(start_node) -> None:
     head = start_node(HEAD)
     wait_for(lambda: "waiting for node 1" in head.output(), 30, "the head waiting")
     head.proc.send_signal(signal.SIGTERM)
-    assert head.proc.wait(10) == 0
+    assert head.proc.wait(EXIT_S) == 0
     worker = start_node(WORKER)  # its head is gone: it retries
     wait_for(lambda: "waiting for the head at" in worker.output(), 30, "the worker retrying")
     worker.proc.send_signal(signal.SIGTERM)
-    assert worker.proc.wait(10) == 0
+    assert worker.proc.wait(EXIT_S) == 0
 
 
 def test_a_worker_without_its_head_gives_up_after_the_join_timeout(start_node) -> None:
