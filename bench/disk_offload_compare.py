@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from measure import log, median, read_bytes
+from measure import log, median, read_bytes, run_inner
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -146,12 +146,9 @@ def driver(args: argparse.Namespace) -> int:
             str(snap),
             *forwarded(args),
         ]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        env.pop("SPARKPLE_STATS_DIR", None)
-        proc = subprocess.run(cmd, env=env, cwd=tmp)
-        if proc.returncode:
-            return proc.returncode
-        result = json.loads(inner_json.read_text())
+        result = run_inner(cmd, inner_json, tmp)
+        if isinstance(result, int):
+            return result
     result["table_gib"] = args.table_gib
     summary = summarize(result)
     result["summary"] = summary

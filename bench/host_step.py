@@ -32,7 +32,6 @@ import importlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from measure import log, read_bytes
+from measure import log, read_bytes, run_inner
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -91,12 +90,9 @@ def driver(args: argparse.Namespace) -> int:
             "--warm-rounds",
             str(args.warm_rounds),
         ]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        env.pop("SPARKPLE_STATS_DIR", None)
-        proc = subprocess.run(cmd, env=env, cwd=tmp)
-        if proc.returncode:
-            return proc.returncode
-        result = json.loads(inner.read_text())
+        result = run_inner(cmd, inner, tmp)
+        if isinstance(result, int):
+            return result
     result["table_gib"] = args.table_gib
     summary = summarize(result)
     result["summary"] = summary
