@@ -30,8 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -139,29 +137,14 @@ def describe_drive(state: dict[str, Any] | None) -> str:
 
 def load_round(
     url: str, model: str, api_key: str, streams: int, max_tokens: int, deadline: float,
-    clock: Any, every_s: float = 0.5,
+    clock: speedgate.Clock, every_s: float = 0.5,
 ) -> dict[str, Any]:  # fmt: skip
     """One warm-up round: `streams` completions at once (speedgate's client), its output tok/s
     and the median SM clock read while it ran (None with no clock to read)."""
-    seen: list[int] = []
-    done = threading.Event()
-
-    def sample() -> None:
-        while True:
-            reading = clock()
-            if reading is not None:
-                seen.append(int(reading[0]))
-            if reading is None or done.wait(every_s):
-                return
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
+    with speedgate.ClockSampler(clock, every_s) as sampler:
         rate = speedgate.tok_s(url, model, api_key, streams, 1, max_tokens, deadline)
-    finally:
-        done.set()
-        sampler.join()
-    return {"tok_s": round(rate, 2), "sm_mhz": int(statistics.median(seen)) if seen else None}
+    seen = sampler.figure()
+    return {"tok_s": round(rate, 2), "sm_mhz": seen["sm_mhz"] if seen else None}
 
 
 def steady(a: dict[str, Any], b: dict[str, Any], within: float) -> bool:

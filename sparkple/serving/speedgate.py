@@ -104,12 +104,13 @@ Clock = Callable[[], tuple[int, int] | None]
 
 
 class ClockSampler:
-    """The GPU's SM clock read every CLOCK_EVERY_S while a measurement runs (in a thread):
-    `read` is sparkple.gpuclock.sm_clock or a stand-in; nothing is sampled where it answers
+    """The GPU's SM clock read every `every_s` (CLOCK_EVERY_S) while a measurement runs (in a
+    thread): `read` is sparkple.gpuclock.sm_clock or a stand-in; nothing is sampled where it answers
     None (no nvidia-smi: the lab)."""
 
-    def __init__(self, read: Clock) -> None:
+    def __init__(self, read: Clock, every_s: float = CLOCK_EVERY_S) -> None:
         self.read = read
+        self.every_s = every_s
         self.samples: list[tuple[int, int]] = []
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
@@ -123,7 +124,7 @@ class ClockSampler:
         return self
 
     def loop(self) -> None:
-        while not self.stop.wait(CLOCK_EVERY_S):
+        while not self.stop.wait(self.every_s):
             sample = self.read()
             if sample is not None:
                 self.samples.append(sample)
