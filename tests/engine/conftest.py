@@ -28,7 +28,8 @@ import pytest
 from harness import engine, wheel_cache
 from sparkple import patch
 from sparkple.builder.build import build_table
-from sparkple.builder.synth import WHOLE_MODEL_EOS, synth_whole_model
+from sparkple.builder.synth import synth_whole_model
+from sparkple.builder.synth_whole_layout import WHOLE_MODEL_EOS
 
 PROFILE = "vllm-0.34"
 VERSION = "0.34.0"

@@ -21,7 +21,7 @@ import yaml
 
 from harness import engine, engine_serve, wheel_cache
 from sparkple.builder.safetensors_io import Snapshot
-from sparkple.builder.synth import WHOLE_MODEL_CHAT_TEMPLATE
+from sparkple.builder.synth_whole_layout import WHOLE_MODEL_CHAT_TEMPLATE
 from sparkple.geometry import PLEGeometry
 from sparkple.serving.cli import variables
 

@@ -142,7 +142,7 @@ def whole_models(tmp_path_factory):
 
 @pytest.mark.parametrize("quant", ["bf16", "nvfp4", "fp8"])
 def test_whole_model_holds_every_weight_and_the_table(whole_models, quant):
-    from sparkple.builder.synth import WHOLE_MODEL_EOS, whole_model_weights
+    from sparkple.builder.synth_whole_layout import WHOLE_MODEL_EOS, whole_model_weights
 
     snap = Snapshot(whole_models[(quant, 0)])
     cfg = snap.config()
