@@ -24,8 +24,10 @@ from lab_engine import engine_main, log
 from lab_pair import WORKER, PairSide
 from lab_worker import worker_main
 
-from sparkple.serving.pair import PAIR_FLAGS  # the multi-node flags a pair adds
-from sparkple.serving.recipe import ACCEPTED_FLAGS  # the flags the serving plan may write
+from sparkple.serving.recipe import (
+    ACCEPTED_FLAGS,  # the flags the serving plan may write
+    PAIR_FLAGS,  # the multi-node flags a pair adds
+)
 
 # The first line of lab_server.py's docstring: `--help` describes the server, not this module.
 DESCRIPTION = "sparkple lab server: a stand-in for vLLM in the lab's serving image. It is NOT vLLM."

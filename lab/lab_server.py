@@ -32,7 +32,7 @@ otherwise after it was ready makes the front exit 1, so that the supervisor sees
 It answers `/v1/models`, `/v1/completions` and `/v1/chat/completions` in the shape vLLM's
 OpenAI server answers them (a request for another model name is a 404, as in vLLM).
 
-A pair (two Sparks at TP 2, sparkple.serving.pair) is `--tensor-parallel-size 2 --nnodes 2`
+A pair (two Sparks at TP 2, sparkple.pair.plan) is `--tensor-parallel-size 2 --nnodes 2`
 with `--node-rank 0` on the head and `--node-rank 1 --headless` on the worker, both with
 `--master-addr` and `--master-port` (vLLM's defaults 127.0.0.1 and 29501); any other
 multi-node set-up is refused (exit 2). Modelled on vLLM 0.33.0's multiproc executor across
@@ -88,8 +88,7 @@ import sys
 # beside this file, as in the lab images; what tests/vllm reads from this script too
 from lab_front import main, parse_args
 
-from sparkple.serving.pair import PAIR_FLAGS
-from sparkple.serving.recipe import ACCEPTED_FLAGS
+from sparkple.serving.recipe import ACCEPTED_FLAGS, PAIR_FLAGS
 
 __all__ = ["ACCEPTED_FLAGS", "PAIR_FLAGS", "main", "parse_args"]
 

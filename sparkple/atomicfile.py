@@ -1,7 +1,7 @@
 """Whole-file replacement that readers never see half done: a temporary file beside the target,
 then a rename over it.
 
-Standard library only: the serving backend (stats), the host programs (sparkple.ops) and the
+Standard library only: the serving backend (stats), the host programs (sparkple.supervise) and the
 table tools share it.
 """
 

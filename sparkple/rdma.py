@@ -1,6 +1,6 @@
 """The pair link's RDMA devices as NCCL_IB_HCA names them (the inventory's sparkple_pair_ib_hca):
-one rule for every reader, the link check (sparkple.serving.link), the metrics program
-(sparkple.ops.metrics) and, through that program, the metrics role.
+one rule for every reader, the link check (sparkple.pair.link), the metrics program
+(sparkple.metrics.collect) and, through that program, the metrics role.
 
 A value is a comma-separated list of `DEVICE` or `DEVICE:PORT`; a leading `=` (NCCL's
 exact-match prefix) may stand before the list or a device. A ConnectX-7 shows its twin ports as

@@ -28,7 +28,7 @@ def backends(hosts: list[str], hostvars: Mapping[str, Mapping[str, Any]]) -> lis
     if str(CHECKOUT) not in sys.path:
         sys.path.insert(0, str(CHECKOUT))
     from sparkple.errors import SparkpleError
-    from sparkple.serving.pair import inventory_view, pairs_of
+    from sparkple.pair.plan import inventory_view, pairs_of
 
     described = inventory_view(hostvars, hosts)
     try:

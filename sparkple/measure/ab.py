@@ -1,7 +1,7 @@
 """An A/B run's comparison: two releases on one Spark, measured A B B A
 (playbooks/benchmark.yml -e ab=A,B runs them; `sparkple bench ab RECORD...` compares them).
 
-Each of the four runs is one benchmark record (sparkple/serving/benchmark.py) that says its
+Each of the four runs is one benchmark record (sparkple/measure/benchmark.py) that says its
 place in the run (`record["ab"]`: arm A or B, its first or second run, its position in A B B A).
 A drift over the run (a clock, a page cache, a neighbour) weighs on both arms alike in that
 order, so each figure's ratio is B's mean over A's mean. A is the control: the spread of its
@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from sparkple.errors import EXIT_CHECK_FAILED, SparkpleError
-from sparkple.serving.benchmark import describe_clock, describe_drive, describe_warmup
-from sparkple.serving.benchmark import table as columns
+from sparkple.measure.benchmark import describe_clock, describe_drive, describe_warmup
+from sparkple.measure.benchmark import table as columns
 
 ORDER = ("A", "B", "B", "A")
 WORKLOADS = ("prose", "code")

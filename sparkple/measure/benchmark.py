@@ -1,7 +1,7 @@
 """The fleet benchmark's plan, record and report (playbooks/benchmark.yml runs them).
 
 - `sparkple bench plan` writes the cases vLLM's own serving benchmark runs
-  (files/benchmark/run_vllm_bench.py): the prose and code prompt sets at each concurrency, and a
+  (sparkple.measure.vllm_bench): the prose and code prompt sets at each concurrency, and a
   long-prompt prefill case at one stream, each bounded in prompts and in time.
 - `sparkple bench snapshot` reads the counters the record compares, on the host that serves:
   vLLM's spec-decode and generation counters from its /metrics, and the PLE disk reads from
@@ -10,14 +10,14 @@
   tok/s, TTFT and ITL p50/p99 per case, prefill tok/s, MTP acceptance, PLE disk bytes per
   generated token, MemAvailable and the live kernel settings.
 - `sparkple bench warmup` puts a short load on the server before a run, round after round,
-  until the GPU's SM clock (sparkple.gpuclock) is steady: two rounds in a row within a share of
-  each other; where there is no clock to read (no `nvidia-smi`: the lab), until two rounds in a
-  row agree in tok/s. The record keeps the rounds and the clock it left the GPU at.
+  until the GPU's SM clock (sparkple.measure.gpuclock) is steady: two rounds in a row within a
+  share of each other; where there is no clock to read (no `nvidia-smi`: the lab), until two
+  rounds in a row agree in tok/s. The record keeps the rounds and the clock it left the GPU at.
 - `sparkple bench report` prints the records as a table beside the published figures (other
   prompts and settings: labelled as published) and, with matplotlib (the `[bench]` extra), plots
   tok/s against concurrency per host.
 - `sparkple bench ab` compares the four records of an A/B run, A B B A on one Spark
-  (sparkple/serving/ab.py).
+  (sparkple/measure/ab.py).
 
 A record also says what it was measured under: the GPU clock after the run and the table
 drive's power-state settings (drive_power_state, from sparkple.nvme).
@@ -35,9 +35,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from sparkple import gpuclock, nvme
+from sparkple import nvme
+from sparkple.measure import gpuclock, speedgate
 from sparkple.meminfo import read_meminfo
-from sparkple.serving import speedgate
 
 WORKLOADS = ("prose", "code")
 PREFILL = "prefill"
@@ -48,7 +48,7 @@ CASE_FIELDS = (
 )  # fmt: skip
 KERNEL_SETTINGS = ("vm.swappiness", "vm.compaction_proactiveness", "vm.min_free_kbytes",
                    "vm.watermark_scale_factor")  # fmt: skip
-# vLLM's counters (vllm/v1/metrics/loggers.py) and sparkple's (sparkple/ops/metrics.py)
+# vLLM's counters (vllm/v1/metrics/loggers.py) and sparkple's (sparkple/metrics/collect.py)
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 GENERATED = "vllm:generation_tokens_total"
@@ -378,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"warm-up: {describe_warmup(figures)}, GPU clock "
               f"{describe_clock(figures['gpu_clock_mhz'])}: {figures['rounds']}")  # fmt: skip
     elif args.step == "ab":
-        from sparkple.serving import ab as ab_report
+        from sparkple.measure import ab as ab_report
 
         return ab_report.run(args)
     else:

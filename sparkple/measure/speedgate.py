@@ -8,7 +8,7 @@ against the figures of the release it replaces (playbooks/tasks/rollout_speed.ym
   computes its output throughput. It warms the server up first: one short request, then
   rounds of the largest stream count (one completion a stream), untimed, until two rounds in a
   row agree within --warmup-within (a GPU that idled, as a drained canary's did, clocks up only
-  under load), at most --warmup-rounds. It samples the GPU's SM clock (sparkple.gpuclock,
+  under load), at most --warmup-rounds. It samples the GPU's SM clock (sparkple.measure.gpuclock,
   `nvidia-smi`) while it measures and records it beside the figures, with the warm-up's rounds.
 - `sparkple speed-gate check` compares a new release's figures with the old one's, stream count
   by stream count, and fails (exit 1) when the lowest ratio is under the floor, naming both
@@ -40,9 +40,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sparkple import gpuclock
 from sparkple.atomicfile import write_text
 from sparkple.errors import EXIT_CHECK_FAILED, EXIT_OK, SparkpleError
+from sparkple.measure import gpuclock
 
 # `check`'s exit status where the figures were measured under clocks too far apart to compare
 EXIT_NOT_COMPARED = 3
@@ -99,14 +99,14 @@ def tok_s(url: str, model: str, api_key: str, streams: int, requests: int, max_t
     return sum(made) / elapsed
 
 
-# what reads the GPU's (current, max) SM clock in MHz: sparkple.gpuclock.sm_clock, or None
+# what reads the GPU's (current, max) SM clock in MHz: sparkple.measure.gpuclock.sm_clock, or None
 Clock = Callable[[], tuple[int, int] | None]
 
 
 class ClockSampler:
     """The GPU's SM clock read every `every_s` (CLOCK_EVERY_S) while a measurement runs (in a
-    thread): `read` is sparkple.gpuclock.sm_clock or a stand-in; nothing is sampled where it answers
-    None (no nvidia-smi: the lab)."""
+    thread): `read` is sparkple.measure.gpuclock.sm_clock or a stand-in; nothing is sampled where
+    it answers None (no nvidia-smi: the lab)."""
 
     def __init__(self, read: Clock, every_s: float = CLOCK_EVERY_S) -> None:
         self.read = read

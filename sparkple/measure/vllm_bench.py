@@ -1,13 +1,14 @@
 """Run vLLM's own serving benchmark (`vllm bench serve`) for each case of a plan, in one process.
 
-Usage: python run_vllm_bench.py PLAN.json
+Usage: python -m sparkple.measure.vllm_bench PLAN.json
 
-Runs with a Python that has vLLM (the serving image's; in the lab, the vLLM test venv), not the
-sparkple package. One process for every case: importing vLLM's benchmark takes longer than a
-short case. Each case is vLLM's `benchmarks.serve.main_async` with the arguments `vllm bench
-serve` would parse, bounded by its number of prompts and by `case_timeout_s`. The result of
-each case (vLLM's result JSON without its per-request lists) is written to
-OUT_DIR/<workload>-c<concurrency>.json, and one line per case is printed.
+Runs with a Python that has vLLM (the serving image's, with the package on PYTHONPATH as every
+helper container has it; in the lab, the vLLM test venv) and imports nothing else of sparkple's,
+so it runs on whatever Python the image has. One process for every case: importing vLLM's
+benchmark takes longer than a short case. Each case is vLLM's `benchmarks.serve.main_async` with
+the arguments `vllm bench serve` would parse, bounded by its number of prompts and by
+`case_timeout_s`. The result of each case (vLLM's result JSON without its per-request lists) is
+written to OUT_DIR/<workload>-c<concurrency>.json, and one line per case is printed.
 
 PLAN.json:
   base_url, model, tokenizer, out_dir, case_timeout_s (seconds), seed

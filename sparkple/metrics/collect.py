@@ -33,20 +33,21 @@ from typing import Any
 from ..atomicfile import write_text
 from ..errors import TableError
 from ..meminfo import read_meminfo
+from ..pair.linkcounters import check_name, read_interface, read_rdma
 from ..rdma import HcaError, parse_hcas
 from ..runtime import stats
 from ..runtime.pagecache import PAGE_SIZE, file_resident_pages
 from ..runtime.tablemeta import read_meta
-from .exposition import Exposition
-from .host import block_device, kernel_error_counts, run_command
-from .linkcounters import check_name, read_interface, read_rdma
-from .state import (
+from ..supervise.commands import run_command
+from ..supervise.devices import block_device, kernel_error_counts
+from ..supervise.state import (
     INCIDENT_KINDS,
     SUPERVISOR_STATES,
     count_markers,
     manual_stop_path,
     read_json_object,
 )
+from .exposition import Exposition
 
 STATS_HELP = {
     "rows_gathered": "rows copied into staging by the gather worker",

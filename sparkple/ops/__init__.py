@@ -1,4 +1,4 @@
-"""The host programs: memory watchdog, supervisor, health probe, metrics, shared-memory cleanup
-and live sysctls. Standard library only (plus this package): the host's python3 runs them as
-`python3 -m sparkple.ops.<program>` from the copy on the root file system.
+"""The host programs' module paths before they moved into supervise/, pair/, metrics/ and
+provision/: each runs its program from the new home, so a unit rendered before the move still
+starts (until its role renders it again). Kept for one release; nothing in the package imports it.
 """

@@ -1,4 +1,4 @@
-"""The worker's supervisor of a pair: it follows the head's (sparkple.ops.pairing says how a
+"""The worker's supervisor of a pair: it follows the head's (sparkple.pair.member says how a
 pair is supervised): it starts its unit for the generation the head wants, stops it when the head
 no longer wants it, and counts nothing.
 """
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .host import run_command
-from .pairing import PairMember
+from ..supervise.commands import run_command
+from .member import PairMember
 
 
 class PairFollower(PairMember):

@@ -1,4 +1,4 @@
-"""The head's supervisor of a pair: it leads (sparkple.ops.pairing says how a pair is supervised).
+"""The head's supervisor of a pair: it leads (sparkple.pair.member says how a pair is supervised).
 
 It owns backoff, hold and breaker for the pair: a launch is a new generation with the worker
 wanted, the head's unit starts once the worker reports its unit active for it, and a break of
@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from ..atomicfile import write_text
-from .host import run_command
-from .pairing import PairMember
-from .state import INCIDENT_KINDS, PAIR_BROKEN, read_markers, write_marker
+from ..supervise.commands import run_command
+from ..supervise.state import INCIDENT_KINDS, PAIR_BROKEN, read_markers, write_marker
+from .member import PairMember
 
 
 class PairLeader(PairMember):

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import rdma
-from .recipe import ServingError
+from ..serving.recipe import ServingError
 
 TRANSPORTS = ("ib", "socket")
 DEFAULT_MTU = 9000

@@ -8,7 +8,7 @@ an all-reduce over n ranks) and the time of one operation. A peak bus bandwidth 
 of the pair's transport is refused: on the RDMA link that is the mark of NCCL on TCP sockets
 (docs/tensor-parallel.md, Link benchmark).
 
-torch is imported only to measure: sparkple.serving is imported by host programs that have only
+torch is imported only to measure: sparkple.pair is imported by host programs that have only
 the standard library, and the figures, the table and the refusal need none of it.
 """
 
@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EXIT_CHECK_FAILED, EXIT_OK
-from .pair import HEAD, TP_SIZE, WORKER
-from .recipe import ServingError
+from ..serving.multinode import HEAD, TP_SIZE, WORKER
+from ..serving.recipe import ServingError
 
 MIB = 1 << 20
 # The benchmark's range: the all-reduce sizes where a link's bandwidth, not its latency, shows.

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..atomicfile import write_text
 from ..errors import EXIT_CHECK_FAILED, EXIT_OK
+from ..serving.recipe import ServingError
 from .link import (
     DEFAULT_MTU,
     PEER_TIMEOUT_S,
@@ -26,7 +27,6 @@ from .link import (
     nccl_transport,
     parse_ip_json,
 )
-from .recipe import ServingError
 
 
 def _check_cmd(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ Units and meanings (docs/link-monitoring.md has the sources):
 A file that is missing or unreadable is None (or left out), never an error: drivers differ in
 what they expose. The sysfs root is a parameter, so tests read a tree of their own.
 
-Standard library only: the host's system Python runs this (sparkple.ops.metrics).
+Standard library only: the host's system Python runs this (sparkple.metrics.collect).
 """
 
 from __future__ import annotations

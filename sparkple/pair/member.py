@@ -1,11 +1,11 @@
-"""A pair is one unit of service: the supervisors of a pair's two nodes (sparkple.serving.pair)
+"""A pair is one unit of service: the supervisors of a pair's two nodes (sparkple.pair.plan)
 keep both units up together or neither.
 
 vLLM's multi-node engine does not: a worker whose head died waits for the next step forever,
 and a head whose worker died answers /health 200 until a step times out (docs/tensor-parallel.md).
-So each supervisor serves its side on the pair link (sparkple.ops.pairlink) and reads the other's
-(what both sides do is here, the head's lead in sparkple.ops.pair_head, the worker's part in
-sparkple.ops.pair_worker):
+So each supervisor serves its side on the pair link (sparkple.pair.pairlink) and reads the other's
+(what both sides do is here, the head's lead in sparkple.pair.leader, the worker's part in
+sparkple.pair.follower):
 
   - the head's supervisor leads. It owns backoff, hold and breaker for the pair. A launch is a
     new `generation` with `want_worker` set; the head's unit starts only once the worker reports
@@ -47,15 +47,15 @@ import argparse
 import time
 from typing import Any
 
-from .pairlink import PairLink, read_key
-from .state import (
+from ..supervise.state import (
     INCIDENT_KINDS,
     PAIR_BROKEN,
     manual_stop_path,
     read_json_object,
     read_markers,
 )
-from .supervision import Supervisor, log
+from ..supervise.supervisor import Supervisor, log
+from .pairlink import PairLink, read_key
 
 ROLES = ("head", "worker")
 

@@ -1,5 +1,5 @@
 """The pair link: each node's supervisor serves its side of the pair, read-only, and reads the
-other's (sparkple.ops.pairing).
+other's (sparkple.pair.member).
 
   GET /pair?nonce=HEX   this node's side as JSON (PAIR_FIELDS), as of its supervisor's last
                         check, with X-Sparkple-Pair-Mac: the answer's MAC (see `mac`)

@@ -4,7 +4,7 @@ The inventory names a pair on each of its two hosts (`sparkple_pair`, the same n
 with the host's rank (0: the head, which serves the API; 1: the worker, `--headless`) and its
 side of the link between them (address, interface, MTU, transport, RDMA device, an optional
 pinned GID index). From those come the multi-node flags of `vllm serve`, the NCCL/Gloo
-environment of each node, the arguments of its link check (sparkple.serving.link), and which
+environment of each node, the arguments of its link check (sparkple.pair.link), and which
 host is the other's peer. Every mistake in that description is refused here with the host and
 the variable to fix, before anything starts.
 
@@ -17,13 +17,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..serving.multinode import HEAD, TP_SIZE, WORKER, node_args
+from ..serving.recipe import ServingError
 from .link import DEFAULT_MTU, TRANSPORTS
-from .recipe import PAIR_FLAGS, ServingError
 
-__all__ = ["PAIR_FLAGS", "Pair", "PairNode", "disagreements", "node_args", "pair_of", "pairs_of"]
+__all__ = ["Pair", "PairNode", "disagreements", "pair_of", "pairs_of"]
 
-TP_SIZE = 2
-HEAD, WORKER = 0, 1
 DEFAULT_MASTER_PORT = 29501
 # The inventory variables that describe a pair (host vars on both of its hosts).
 INVENTORY_VARS = (
@@ -50,25 +49,6 @@ IDENTITY = {
     "patch_manifest": "vLLM patch manifest sha256 (vllm_patches)",
     "table_fingerprint": "PLE table fingerprint (sparkple inspect-table --json)",
 }
-
-
-def node_args(rank: int, master_addr: str, master_port: int) -> list[str]:
-    """The multi-node words of a pair node's `vllm serve`: the head (rank 0) serves the API,
-    the worker (rank 1) runs `--headless`; both meet at the head's link address and port."""
-    if rank not in (HEAD, WORKER):
-        raise ServingError(f"pair rank {rank!r}: use 0 (the head) or 1 (the worker)")
-    if not isinstance(master_addr, str) or not master_addr.strip():
-        raise ServingError("the pair's master address is empty: set the head's link address")
-    if not 1 <= master_port <= 65535:
-        raise ServingError(f"the pair's master port {master_port} is not a TCP port")
-    args = [
-        f"--tensor-parallel-size={TP_SIZE}",
-        f"--nnodes={TP_SIZE}",
-        f"--node-rank={rank}",
-        f"--master-addr={master_addr.strip()}",
-        f"--master-port={master_port}",
-    ]
-    return args + (["--headless"] if rank == WORKER else [])
 
 
 # Without these a node cannot serve at all (an unpatched pair has no patch manifest on either).
@@ -100,7 +80,7 @@ class PairNode:
     link_address: str
     link_interface: str
     ib_hca: str
-    # pinned by the inventory; None: found in sysfs at each start (sparkple.serving.link)
+    # pinned by the inventory; None: found in sysfs at each start (sparkple.pair.link)
     ib_gid_index: int | None
     transport: str = "ib"
     link_mtu: int = DEFAULT_MTU

@@ -25,7 +25,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from .state import read_json_object, write_json
+from ..supervise.state import read_json_object, write_json
 
 # The integer tunables kernel_tuning sets and the range the kernel takes for each
 # (Documentation/admin-guide/sysctl/vm.rst; docs/kernel-tuning.md). A value outside it is

@@ -3,7 +3,7 @@
 The patched vLLM backend counts its work in a `PLEStats` and a `StatsFile` writes the counters to
 `<dir>/ple-stats-<pid>.json` (one file per process, written atomically: temp file + rename), where
 `<dir>` is `$SPARKPLE_STATS_DIR`, a directory bind-mounted from the host. On the host,
-sparkple.ops.metrics turns the files into Prometheus metrics.
+sparkple.metrics.collect turns the files into Prometheus metrics.
 
 File format (version 1), one JSON object:
   format           "sparkple-ple-stats"

@@ -35,7 +35,8 @@ from typing import Any
 from ..builder.safetensors_io import INDEX_NAME, Snapshot
 from ..geometry import text_config
 from ..meminfo import MEMINFO, read_meminfo
-from .recipe import PLE_BACKEND_KNOB, Recipe, ServingError, _var
+from .recipe import Recipe, ServingError
+from .served import PLE_BACKEND_KNOB, from_var
 
 GIB = 1024**3
 MIB = 1024**2
@@ -107,13 +108,13 @@ def snapshot_sizes(snapshot: Path) -> SnapshotSizes:
 class BudgetKnobs:
     """The budget's inputs besides the snapshot and the recipe, in GiB, each from its variable."""
 
-    overhead_gib: float = _var("vllm_service_overhead_gib", 5.6)
-    mtp_runtime_gib: float = _var("vllm_service_mtp_runtime_gib", 1.49)
-    kv_target_gib: float = _var("vllm_service_kv_target_gib", 16.0)
-    reserve_gib: float = _var("vllm_service_memtotal_reserve_gib", 26.0)
-    slack_gib: float = _var("vllm_service_memory_slack_gib", 8.0)
-    host_floor_gib: float = _var("vllm_service_host_floor_gib", 16.0)
-    launch_margin_gib: float = _var("vllm_service_launch_margin_gib", 4.0)
+    overhead_gib: float = from_var("vllm_service_overhead_gib", 5.6)
+    mtp_runtime_gib: float = from_var("vllm_service_mtp_runtime_gib", 1.49)
+    kv_target_gib: float = from_var("vllm_service_kv_target_gib", 16.0)
+    reserve_gib: float = from_var("vllm_service_memtotal_reserve_gib", 26.0)
+    slack_gib: float = from_var("vllm_service_memory_slack_gib", 8.0)
+    host_floor_gib: float = from_var("vllm_service_host_floor_gib", 16.0)
+    launch_margin_gib: float = from_var("vllm_service_launch_margin_gib", 4.0)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import EXIT_CHECK_FAILED, EXIT_OK
 from ..meminfo import read_meminfo
 from .budget import BudgetKnobs, compute_budget, launch_gate, snapshot_sizes
-from .pair import HEAD, TP_SIZE, node_args
+from .multinode import HEAD, TP_SIZE, node_args
 from .recipe import Recipe, ServingError
 
 # The truth values Ansible's `bool` filter takes (a variable set with -e arrives as a string).

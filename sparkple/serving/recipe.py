@@ -12,48 +12,34 @@ Standard library only: the role runs it with the host's python3 (`sparkple servi
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 from ..errors import SparkpleError
-
-# The model's native context and the longest YaRN context the recipe allows.
-NATIVE_MAX_MODEL_LEN = 262_144
-YARN_MAX_MODEL_LEN = 524_288
-KV_CACHE_DTYPES = ("auto", "fp8")
-MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
-# vLLM 0.33 and 0.34's CUDAGraphMode names.
-CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
-SAFETENSORS_LOAD_STRATEGIES = ("lazy", "eager", "prefetch")
-# The strategies vLLM 0.33 and 0.34's loaders read the PLE row shards with (only lazy asks its
-# per-name skip before it reads a tensor), and why; the vLLM patch refuses them at start as well.
-ROW_SHARD_READING_STRATEGIES = {
-    "eager": "reads each whole file, then filters the names",
-    "prefetch": "reads every file into the page cache",
-}
-MAX_MTP_DEPTH = 8
-# The PLE table's backends (the site knob sparkple_ple_backend, the role's
-# vllm_service_ple_backend) -> the --engram-config the plan writes for it. packed: sparkple's
-# packed table on NVMe, read through mmap by the patched vLLM (selected by SPARKPLE_PLE_TABLE_DIR,
-# no --engram-config). vLLM's own, for A/B runs on the same unit and checkpoint: vllm-disk, its
-# disk offload (vLLM 0.34 and later; it takes precedence over cpu_offload), and vllm-pinned, its
-# pinned-host table (the whole table pinned in host memory: the budget counts it).
-PLE_BACKENDS: dict[str, dict[str, bool]] = {
-    "packed": {},
-    "vllm-disk": {"disk_offload": True},
-    "vllm-pinned": {"cpu_offload": True},
-}
-PLE_BACKEND_KNOB = "sparkple_ple_backend"
-# The first vLLM with the disk offload (EngramConfig.disk_offload), and where the patch profiles
-# are (the host's package copy holds templates/ too): a profile's vllm_version says its vLLM.
-DISK_OFFLOAD_SINCE = (0, 34)
-PROFILES_DIR = Path(__file__).resolve().parents[2] / "templates" / "vllm"
-
-# How JSON-valued flags are written (one word, no spaces).
-COMPACT: dict[str, Any] = {"separators": (",", ":"), "sort_keys": False}
+from .served import (
+    COMPACT,
+    CUDAGRAPH_MODES,
+    DISK_OFFLOAD_SINCE,
+    KV_CACHE_DTYPES,
+    MAMBA_SSM_CACHE_DTYPES,
+    MAX_MTP_DEPTH,
+    NATIVE_MAX_MODEL_LEN,
+    PLE_BACKEND_KNOB,
+    PLE_BACKENDS,
+    ROW_SHARD_READING_STRATEGIES,
+    SAFETENSORS_LOAD_STRATEGIES,
+    YARN_MAX_MODEL_LEN,
+    Served,
+    chunked_prefill,
+    cudagraph_mode,
+    engram_config,
+    from_var,
+    load_strategy,
+    mtp,
+    one,
+    profile_vllm_version,
+    tool_parser,
+)
 
 
 class ServingError(SparkpleError):
@@ -61,137 +47,68 @@ class ServingError(SparkpleError):
 
 
 @dataclass(frozen=True)
-class Served:
-    """How one field reaches `vllm serve`: the flags it may write (flag -> how vLLM reads the
-    value: str, int, float, "json", or None for a switch) and the words for a value."""
-
-    flags: dict[str, Any]
-    words: Callable[[Any], list[str]]
-    # False: extra arguments may give these flags while the field writes none (OWNED_FLAGS
-    # leaves them out; Recipe.check_extra_args refuses them once it writes one)
-    owned: bool = True
-
-
-def _one(flag: str, kind: Any = str, *, unless_empty: bool = False) -> Served:
-    """`flag=value` (left out for an empty value when unless_empty)."""
-    return Served({flag: kind}, lambda v: [] if unless_empty and not v else [f"{flag}={v}"])
-
-
-def _mtp(depth: int) -> list[str]:
-    spec = {"method": "mtp", "num_speculative_tokens": depth}
-    return [f"--speculative-config={json.dumps(spec, **COMPACT)}"] if depth else []
-
-
-def _tool_parser(parser: str) -> list[str]:
-    return ["--enable-auto-tool-choice", f"--tool-call-parser={parser}"] if parser else []
-
-
-def _chunked_prefill(on: bool) -> list[str]:
-    return ["--enable-chunked-prefill" if on else "--disable-chunked-prefill"]
-
-
-def _load_strategy(strategy: str) -> list[str]:
-    return ["--load-format=safetensors", f"--safetensors-load-strategy={strategy}"]
-
-
-def _cudagraph_mode(mode: str) -> list[str]:
-    return ["--compilation-config=" + json.dumps({"cudagraph_mode": mode}, **COMPACT)]
-
-
-def _engram_config(backend: str) -> list[str]:
-    config = PLE_BACKENDS.get(backend)
-    return [f"--engram-config={json.dumps(config, **COMPACT)}"] if config else []
-
-
-def profile_vllm_version(profile: str) -> tuple[int, int] | None:
-    """The vLLM (major, minor) of a patch profile: its profile.yml's vllm_version (a profile is
-    named, under templates/vllm/, or given as a path), else its name's `vllm-X.Y`; None when
-    neither says (no profile: the image's vLLM unpatched)."""
-    if not profile:
-        return None
-    where = Path(profile) if "/" in profile else PROFILES_DIR / profile
-    found = None
-    if (where / "profile.yml").is_file():
-        text = (where / "profile.yml").read_text()
-        found = re.search(r"^vllm_version:\s*[\"']?(\d+)\.(\d+)", text, re.M)
-    found = found or re.search(r"\bvllm-(\d+)\.(\d+)", where.name)
-    if found:
-        return int(found.group(1)), int(found.group(2))
-    return None
-
-
-def _var(name: str, default: Any = None, served: Served | None = None, owner: str = "") -> Any:
-    """A recipe field read from role variable `name` (owner: who sets its flags, when that is
-    not the variable itself)."""
-    meta = {"var": name, "served": served, "owner": owner or name}
-    if default is None:
-        return field(metadata=meta)
-    if isinstance(default, tuple):
-        return field(default_factory=tuple, metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-@dataclass(frozen=True)
 class Recipe:
     """The serving recipe: what `vllm serve` gets besides the memory utilization, in argv order."""
 
-    model: str = _var(
+    model: str = from_var(
         "vllm_service_model_path",
         served=Served({"--model": str}, lambda v: [v]),  # first, as `vllm serve <model>`
         owner="the model path (model_checkpoint)",
     )
-    served_model_name: str = _var("sparkple_served_model_name", served=_one("--served-model-name"))
-    host: str = _var("sparkple_api_host", "127.0.0.1", _one("--host"))
-    port: int = _var("sparkple_api_port", 8000, _one("--port", int))
-    max_model_len: int = _var(
-        "vllm_service_max_model_len", NATIVE_MAX_MODEL_LEN, _one("--max-model-len", int)
+    served_model_name: str = from_var(
+        "sparkple_served_model_name", served=one("--served-model-name")
     )
-    max_num_seqs: int = _var("vllm_service_max_num_seqs", 4, _one("--max-num-seqs", int))
-    max_num_batched_tokens: int = _var(
-        "vllm_service_max_num_batched_tokens", 2048, _one("--max-num-batched-tokens", int)
+    host: str = from_var("sparkple_api_host", "127.0.0.1", one("--host"))
+    port: int = from_var("sparkple_api_port", 8000, one("--port", int))
+    max_model_len: int = from_var(
+        "vllm_service_max_model_len", NATIVE_MAX_MODEL_LEN, one("--max-model-len", int)
     )
-    kv_cache_dtype: str = _var("vllm_service_kv_cache_dtype", "auto", _one("--kv-cache-dtype"))
-    mamba_ssm_cache_dtype: str = _var(
-        "vllm_service_mamba_ssm_cache_dtype", "bfloat16", _one("--mamba-ssm-cache-dtype")
+    max_num_seqs: int = from_var("vllm_service_max_num_seqs", 4, one("--max-num-seqs", int))
+    max_num_batched_tokens: int = from_var(
+        "vllm_service_max_num_batched_tokens", 2048, one("--max-num-batched-tokens", int)
     )
-    mtp_depth: int = _var(
-        "vllm_service_mtp_depth", 3, Served({"--speculative-config": "json"}, _mtp)
+    kv_cache_dtype: str = from_var("vllm_service_kv_cache_dtype", "auto", one("--kv-cache-dtype"))
+    mamba_ssm_cache_dtype: str = from_var(
+        "vllm_service_mamba_ssm_cache_dtype", "bfloat16", one("--mamba-ssm-cache-dtype")
     )
-    reasoning_parser: str = _var(
-        "vllm_service_reasoning_parser", "qwen3", _one("--reasoning-parser", unless_empty=True)
+    mtp_depth: int = from_var(
+        "vllm_service_mtp_depth", 3, Served({"--speculative-config": "json"}, mtp)
     )
-    tool_call_parser: str = _var(
+    reasoning_parser: str = from_var(
+        "vllm_service_reasoning_parser", "qwen3", one("--reasoning-parser", unless_empty=True)
+    )
+    tool_call_parser: str = from_var(
         "vllm_service_tool_call_parser",
         "qwen3_coder",
-        Served({"--tool-call-parser": str, "--enable-auto-tool-choice": None}, _tool_parser),
+        Served({"--tool-call-parser": str, "--enable-auto-tool-choice": None}, tool_parser),
     )
-    chunked_prefill: bool = _var(
+    chunked_prefill: bool = from_var(
         "vllm_service_chunked_prefill",
         True,
         Served(
-            {"--enable-chunked-prefill": None, "--disable-chunked-prefill": None}, _chunked_prefill
+            {"--enable-chunked-prefill": None, "--disable-chunked-prefill": None}, chunked_prefill
         ),
     )
-    safetensors_load_strategy: str = _var(
+    safetensors_load_strategy: str = from_var(
         "vllm_service_safetensors_load_strategy",
         "lazy",
-        Served({"--load-format": str, "--safetensors-load-strategy": str}, _load_strategy),
+        Served({"--load-format": str, "--safetensors-load-strategy": str}, load_strategy),
     )
-    cudagraph_mode: str = _var(
+    cudagraph_mode: str = from_var(
         "vllm_service_cudagraph_mode",
         "FULL_DECODE_ONLY",
-        Served({"--compilation-config": "json"}, _cudagraph_mode),
+        Served({"--compilation-config": "json"}, cudagraph_mode),
     )
     # the role's default is the site knob's, "{{ sparkple_ple_backend | default('packed') }}"
     ple_backend: str = field(
         default="packed",
         metadata={
             "var": "vllm_service_ple_backend",
-            "served": Served({"--engram-config": "json"}, _engram_config, owned=False),
+            "served": Served({"--engram-config": "json"}, engram_config, owned=False),
             "owner": f"{PLE_BACKEND_KNOB} (vllm_service_ple_backend)",
         },
     )
-    extra_args: tuple[str, ...] = _var("vllm_service_extra_args", ())
+    extra_args: tuple[str, ...] = from_var("vllm_service_extra_args", ())
 
     @property
     def packed_table(self) -> bool:
@@ -316,7 +233,7 @@ class Recipe:
                     f"{OWNED_FLAGS[flag]}: change that instead and remove {arg!r}"
                 )
             if not self.packed_table and flag.startswith("--engram-config"):
-                written = _engram_config(self.ple_backend)[0]
+                written = engram_config(self.ple_backend)[0]
                 raise ServingError(
                     f"vllm_service_extra_args has {arg!r}, but the plan writes {written} for "
                     f"{PLE_BACKEND_KNOB} {self.ple_backend} (a second --engram-config would "
@@ -405,7 +322,7 @@ class Recipe:
         pair_args: tuple[str, ...] | list[str] = (),
     ) -> list[str]:
         """The arguments of `vllm serve` (after the entrypoint's own words), one string each;
-        `pair_args`: a pair node's multi-node flags (sparkple.serving.pair.node_args)."""
+        `pair_args`: a pair node's multi-node flags (sparkple.pair.plan.node_args)."""
         args: list[str] = []
         for f in fields(self):
             if f.metadata["served"] is not None:
@@ -435,7 +352,7 @@ BUDGET_OWNED = {
     "--kv-cache-memory-bytes": "the budget (vllm_service_memtotal_reserve_gib and friends)"
 }
 # The flags a pair's node adds (flag -> how vLLM reads it; None: a switch): written by
-# sparkple.serving.pair from the inventory's pair variables, here so that the tables below
+# sparkple.pair.plan from the inventory's pair variables, here so that the tables below
 # hold them without an import cycle (pair imports ServingError from this module).
 PAIR_FLAGS: dict[str, Any] = {
     "--tensor-parallel-size": int,

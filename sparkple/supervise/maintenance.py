@@ -10,7 +10,7 @@ import time
 from .drain import drain
 from .probe import Client, check_generation, read_env_file
 from .state import locked, manual_stop_path
-from .supervision import Supervisor, log
+from .supervisor import Supervisor, log
 
 
 def relaunch(sup: Supervisor) -> int:

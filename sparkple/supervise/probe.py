@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .alert import Alerter
-from .host import run_command, service_options
+from .commands import run_command, service_options
 from .state import iso, manual_stop_path, read_json_object, update_json, write_json, write_marker
 
 

@@ -17,7 +17,7 @@ from .. import nvme
 from ..errors import TableError
 from ..meminfo import read_meminfo
 from ..runtime.tablemeta import META_NAME, read_meta
-from .host import KMSG, kernel_error_counts
+from .devices import KMSG, kernel_error_counts
 from .state import INCIDENT_KINDS, iso, manual_stop_path, read_json, read_markers
 
 

@@ -1,6 +1,7 @@
-"""The supervision loop of `supervisor run` (see sparkple.ops.supervisor for its policy): the
-service's state, relaunches with backoff, the readiness deadline, hold and circuit breaker,
-the heartbeat and the table's I/O errors."""
+"""The supervisor of one Spark's serving unit, the loop of `supervisor run` (its policy:
+sparkple.supervise.supervisor_cli): the service's state, relaunches with backoff, the readiness
+deadline, hold and circuit breaker, the heartbeat and the table's I/O errors. A pair's
+supervisors extend it (sparkple.pair.member)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from .alert import Alerter
-from .host import kernel_error_counts, run_command, table_device
+from .commands import run_command
+from .devices import kernel_error_counts, table_device
 from .probe import http_status
 from .shm import clean_unheld
 from .state import (
@@ -55,7 +57,7 @@ def fresh_state() -> dict[str, Any]:
 
 
 class Supervisor:
-    # "head" or "worker" for a node of a pair (sparkple.ops.pairing); None for a single Spark
+    # "head" or "worker" for a node of a pair (sparkple.pair.member); None for a single Spark
     pair_role: str | None = None
 
     def __init__(self, args: argparse.Namespace) -> None:

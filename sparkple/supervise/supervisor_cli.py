@@ -17,53 +17,41 @@ The serving unit has no restart policy of its own; this loop owns relaunching it
 Hold and breaker latch until `reset`. State is in <state-dir>/supervisor.json; `status` prints
 it together with the watchdog's and the probe's state.
 
-On the two nodes of a pair (two Sparks at TP 2, `--pair-rank`) the pair is one unit of service
-(sparkple.ops.pairing): each node's supervisor serves its side read-only on the pair link
-(GET http://<--pair-listen>/pair) and reads the other's (--pair-peer-url). The head's supervisor
-leads and applies the policy above to the pair: the worker's unit starts first, a break of
-either side stops the other and counts one `pair-broken` incident (the only kind its breaker
-counts), and both are relaunched together. The worker's supervisor follows the head and counts
-nothing; the manual-stop flag of either node is hands off for both.
+A pair's node runs the same subcommands with the pair's flags from sparkple.pair.supervisor_cli
+(its supervisors, sparkple.pair.leader and sparkple.pair.follower, extend this one's loop).
 
 Subcommands: run, status, reset, manual-stop, resume, relaunch (drain, then stop and start,
 wait for /health and check a real generation: the weekly maintenance relaunch), incident
 (record one incident marker of a kind written outside the loop: a rollout's rollback), drain
-(the rollout's wait for an idle engine, by the relaunch's rule: sparkple.ops.drain).
+(the rollout's wait for an idle engine, by the relaunch's rule: sparkple.supervise.drain).
 """
 
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..atomicfile import write_text
+from .commands import service_options
+from .devices import table_device
 from .drain import drain_command, drain_options
-from .host import service_options, table_device
 from .maintenance import relaunch
-from .pair_head import PairLeader
-from .pair_worker import PairFollower
-from .pairlink import parse_listen, read_key
 from .shm import DEFAULT_PATTERNS
 from .state import ROLLBACK, iso, locked, manual_stop_path, write_marker
 from .status import state_options, status
-from .supervision import Supervisor
+from .supervisor import Supervisor
 
 
-def make_supervisor(args: argparse.Namespace) -> Supervisor:
-    """The single Spark's supervisor, or a pair node's (--pair-rank 0: leads; 1: follows)."""
-    if getattr(args, "pair_rank", None) is None:
-        return Supervisor(args)
-    return PairLeader(args) if args.pair_rank == 0 else PairFollower(args)
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser(node: Sequence[argparse.ArgumentParser] = ()) -> argparse.ArgumentParser:
+    """The subcommands and their flags; `node`: parsers of flags added to the service's (a
+    pair node's)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     common = state_options()
-    service = argparse.ArgumentParser(add_help=False, parents=[service_options()])
+    service = argparse.ArgumentParser(add_help=False, parents=[service_options(), *node])
     service.add_argument("--check-cmd", default="systemctl is-active --quiet {unit}")
     service.add_argument("--start-cmd", default="systemctl start {unit}")
     service.add_argument("--stop-cmd", default="systemctl stop {unit}")
@@ -82,36 +70,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--shm-patterns",
         default=DEFAULT_PATTERNS,
         help="segments removed before a relaunch when no process holds any; empty: none",
-    )
-    pair = service.add_argument_group("a pair (two Sparks at TP 2)")
-    pair.add_argument("--pair", default="", help="the pair's name (the same on both nodes)")
-    pair.add_argument(
-        "--pair-rank", type=int, choices=(0, 1), help="0: the head (leads), 1: the worker"
-    )
-    pair.add_argument("--pair-host", default=socket.gethostname(), help="this node's name")
-    pair.add_argument("--pair-listen", default="", help="ADDRESS:PORT of this node's pair link")
-    pair.add_argument("--pair-peer-url", default="", help="the peer's link, http://ADDRESS:PORT")
-    pair.add_argument(
-        "--pair-key-file",
-        type=Path,
-        help="the pair's shared key (the same on both nodes): authenticates the pair link",
-    )
-    pair.add_argument(
-        "--boot-marker",
-        type=Path,
-        default=Path("/run/sparkple/supervisor-boot"),
-        help="this boot's token, on a tmpfs: a new one is a boot (the pair relaunched in order)",
-    )
-    pair.add_argument(
-        "--release-file",
-        type=Path,
-        help="this node's current release.json: its id and patch manifest travel on /pair",
-    )
-    pair.add_argument(
-        "--pair-peer-timeout-s",
-        type=float,
-        default=30.0,
-        help="a peer unreachable this long is gone: its side of the pair is stopped",
     )
     policy = argparse.ArgumentParser(add_help=False)
     policy.add_argument("--poll-s", type=float, default=5.0, help="seconds between checks")
@@ -153,7 +111,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     drain.add_argument("--metrics-url", required=True, help="vLLM's /metrics")
     drain.add_argument("--timeout-s", type=float, required=True, help="give up (exit 1) after")
     drain.add_argument("--poll-s", type=float, default=5.0, help="between reads")
-    args = p.parse_args(argv)
+    return p
+
+
+def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what the flags cannot mean (p.error exits 2)."""
     if args.command == "drain" and (args.timeout_s < 0 or args.poll_s <= 0):
         p.error("--timeout-s must be >= 0 and --poll-s > 0")
     if args.command in ("run", "reset", "relaunch") and (
@@ -167,28 +129,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "--backoff-base-s and --ready-timeout-s must be > 0, --heartbeat-s >= 0, "
             "--hold-after and --breaker-count >= 1"
         )
-    if getattr(args, "pair_rank", None) is not None:
-        try:
-            parse_listen(args.pair_listen)
-        except ValueError as exc:
-            p.error(str(exc))
-        if not args.pair or not args.pair_peer_url.startswith(("http://", "https://")):
-            p.error(
-                "--pair-rank needs --pair NAME and --pair-peer-url http://PEER:PORT "
-                "(roles/serving_supervisor renders them from sparkple_pair_info)"
-            )
-        if args.pair_peer_timeout_s <= 0:
-            p.error("--pair-peer-timeout-s must be > 0")
-        if args.pair_key_file is None:
-            p.error(
-                f"{args.pair_host}: --pair-rank needs --pair-key-file: the pair link is "
-                "authenticated; set serving_supervisor_pair_key in the inventory's vault"
-            )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    check(p, args)
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace, make: Callable[[argparse.Namespace], Supervisor]) -> int:
+    """Run the subcommand; `make` builds the supervisor of run, reset and relaunch."""
     if args.command == "drain":
         return drain_command(args.metrics_url, args.timeout_s, args.poll_s)
     if args.command == "status":
@@ -206,13 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "incident":
         print(write_marker(args.state_dir, args.kind, time.time(), {"reason": args.reason}))
         return 0
-    if getattr(args, "pair_rank", None) is not None:
-        try:
-            read_key(args.pair_key_file)  # here, not in parse_args: the flags parse anywhere
-        except ValueError as exc:
-            print(f"ple-supervisor: error: {args.pair_host}: {exc}", file=sys.stderr)
-            return 2
-    supervisor = make_supervisor(args)
+    supervisor = make(args)
     if args.command == "reset":
         return supervisor.reset()
     if args.command == "relaunch":
@@ -220,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         supervisor.alerter.drain()
         return code
     return supervisor.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(parse_args(argv), Supervisor)
 
 
 if __name__ == "__main__":

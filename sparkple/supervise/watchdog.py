@@ -25,7 +25,7 @@ from typing import Any
 
 from ..meminfo import MEMINFO, read_meminfo
 from .alert import Alerter
-from .host import run_command, service_options
+from .commands import run_command, service_options
 from .state import iso, update_json, utc_stamp, write_json, write_marker
 
 MIB = 1024 * 1024

@@ -1,4 +1,4 @@
-"""The benchmark's A/B run (sparkple/serving/ab.py; playbooks/tasks/benchmark_ab.yml runs it on
+"""The benchmark's A/B run (sparkple/measure/ab.py; playbooks/tasks/benchmark_ab.yml runs it on
 a Spark, the fleet scenario on the lab fleet): the warm-up until steady, the table drive's
 power state, and the A B B A comparison of real records, made as the playbook makes them (the
 warm-up, the counters, vLLM's own serving benchmark from the vLLM test venv, the record) against
@@ -23,7 +23,7 @@ from lab_inputs import lab_server
 from harness import wheel_cache
 from sparkple.builder.build import build_table
 from sparkple.builder.synth import synth_checkpoint
-from sparkple.serving import ab, benchmark
+from sparkple.measure import ab, benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "qwen3.8-flash-next"
@@ -196,9 +196,9 @@ def one_run(
         done = cli(*step)
         assert done.returncode == 0, done.stdout + done.stderr
     runner = subprocess.run(
-        [str(vllm_python), str(ROOT / "files" / "benchmark" / "run_vllm_bench.py"),
+        [str(vllm_python), "-m", "sparkple.measure.vllm_bench",
          str(out / "plan.json")],
-        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"}, capture_output=True, text=True,
+        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"}, capture_output=True, text=True, cwd=ROOT,
         timeout=600, check=False,
     )  # fmt: skip
     assert runner.returncode == 0, runner.stdout + runner.stderr

@@ -1,4 +1,4 @@
-"""The fleet benchmark: its plan, counters, record and report (sparkple/serving/benchmark.py), and
+"""The fleet benchmark: its plan, counters, record and report (sparkple/measure/benchmark.py), and
 playbooks/benchmark.yml for real on this machine: vLLM's own serving benchmark (from the vLLM
 test venv) against a lab server, as the fleet scenario runs it on the lab fleet.
 """
@@ -19,7 +19,7 @@ from lab_inputs import free_port, lab_server
 from harness import wheel_cache
 from sparkple.builder.build import build_table
 from sparkple.builder.synth import synth_checkpoint
-from sparkple.serving import benchmark
+from sparkple.measure import benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "qwen3.8-flash-next"
@@ -187,9 +187,9 @@ def test_the_runner_names_why_a_case_failed(vllm_python: Path, tmp_path: Path) -
     }  # fmt: skip
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     proc = subprocess.run(
-        [str(vllm_python), str(ROOT / "files" / "benchmark" / "run_vllm_bench.py"),
+        [str(vllm_python), "-m", "sparkple.measure.vllm_bench",
          str(tmp_path / "plan.json")],
-        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"}, capture_output=True, text=True,
+        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"}, capture_output=True, text=True, cwd=ROOT,
         timeout=300,
     )  # fmt: skip
     assert proc.returncode == 1, proc.stdout + proc.stderr

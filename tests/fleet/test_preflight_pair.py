@@ -20,8 +20,8 @@ from ansible_local import ansible_playbook
 from hf_snapshot import hf_cache_snapshot
 from pair_inventory import pair_hostvars
 
-from sparkple.serving.link import ipv4_mapped_gid
-from sparkple.serving.pair import disagreements
+from sparkple.pair.link import ipv4_mapped_gid
+from sparkple.pair.plan import disagreements
 
 pytestmark = pytest.mark.slow  # a few ansible-playbook runs
 

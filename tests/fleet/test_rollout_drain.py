@@ -1,7 +1,7 @@
 """The rollout's drain (playbooks/tasks/rollout_drain.yml) against a real HTTP /metrics.
 
 One rule with or without a gateway: a host is drained when vLLM's running and waiting gauges
-both read 0 (the package's sparkple.ops.drain, which the supervisor's relaunch uses too). The
+both read 0 (the package's sparkple.supervise.drain, which the supervisor's relaunch uses too). The
 server here answers in vLLM's Prometheus format and moves its gauges after a given number of
 reads, so the order of reads and of the playbook's end is what is asserted.
 """
@@ -79,7 +79,7 @@ def drain(tmp_path: Path, url: str, timeout_s: int = 30):
             "sparkple_gateway_host": "",
             "sparkple_rollout_drain_timeout_s": timeout_s,
             "sparkple_rollout_drain_poll_s": 1,
-            # the host's Python with the checkout's package (sparkple.ops.drain)
+            # the host's Python with the checkout's package (sparkple.supervise.drain)
             "sparkple_host_python": sys.executable,
         },
     )

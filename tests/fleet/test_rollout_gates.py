@@ -1,6 +1,6 @@
 """The canary's gates after its health gate, against real lab servers: the speed gate's warm-up
-and GPU clock (sparkple/serving/speedgate.py, playbooks/tasks/rollout_speed.yml) and the quality
-gate (sparkple/serving/qualitygate.py, playbooks/tasks/rollout_quality.yml).
+and GPU clock (sparkple/measure/speedgate.py, playbooks/tasks/rollout_speed.yml) and the quality
+gate (sparkple/measure/qualitygate.py, playbooks/tasks/rollout_quality.yml).
 
 Two lab servers serve one synthetic model, each with a table built from its own checkpoint (two
 seeds: the same geometry, other rows): the lab engine's tokens come from the rows it looks up,
@@ -28,7 +28,7 @@ from lab_inputs import ROOT, lab_server
 
 from sparkple.builder.build import build_table
 from sparkple.builder.synth import synth_checkpoint
-from sparkple.serving import qualitygate, speedgate
+from sparkple.measure import qualitygate, speedgate, toolcall
 
 pytestmark = pytest.mark.slow  # lab servers, and a few ansible-playbook runs
 
@@ -105,13 +105,13 @@ def test_the_lab_answers_a_required_tool_call_in_vllms_shape_from_its_rows(
     assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
     tools = forced()["tools"]
     reply = {"calls": [call["function"]], "finish_reason": choice["finish_reason"]}
-    assert qualitygate.tool_call_errors(reply, tools) == []
+    assert toolcall.tool_call_errors(reply, tools) == []
     # the same request, the same call (greedy); the other table's rows make another
     again = post(servers["rows"], forced())[1]["choices"][0]["message"]["tool_calls"][0]
     assert again["function"] == call["function"]
     other = post(servers["other"], forced())[1]["choices"][0]["message"]["tool_calls"][0]
     assert other["function"] != call["function"]
-    assert qualitygate.tool_call_errors({"calls": [other["function"]]}, tools) == []
+    assert toolcall.tool_call_errors({"calls": [other["function"]]}, tools) == []
 
 
 def test_a_named_tool_is_called_and_a_call_cut_by_max_tokens_does_not_parse(
@@ -125,7 +125,7 @@ def test_a_named_tool_is_called_and_a_call_cut_by_max_tokens_does_not_parse(
     code, body = post(servers["rows"], forced(max_tokens=3))
     assert code == 200 and body["choices"][0]["finish_reason"] == "length"
     calls = [body["choices"][0]["message"]["tool_calls"][0]["function"]]
-    errors = qualitygate.tool_call_errors({"calls": calls}, forced()["tools"])
+    errors = toolcall.tool_call_errors({"calls": calls}, forced()["tools"])
     assert errors and "not JSON" in errors[0]
     # as vLLM: tool_choice needs tools
     code, body = post(servers["rows"], {**forced(), "tools": None})
@@ -158,7 +158,7 @@ def test_tool_arguments_are_checked_against_the_schema() -> None:
     tools = [qualitygate.TOOL]
     ok = {"host": "spark-07", "percent": 80, "mode": "full"}
     call = {"calls": [{"name": "set_fan_profile", "arguments": json.dumps(ok)}]}
-    assert qualitygate.tool_call_errors(call, tools) == []
+    assert toolcall.tool_call_errors(call, tools) == []
     for bad, why in [
         ({**ok, "percent": 101}, "outside [20, 100]"),
         ({**ok, "percent": 80.5}, "not an integer"),
@@ -168,13 +168,13 @@ def test_tool_arguments_are_checked_against_the_schema() -> None:
         ({**ok, "host": ""}, "outside the schema's lengths"),
     ]:
         call = {"calls": [{"name": "set_fan_profile", "arguments": json.dumps(bad)}]}
-        errors = qualitygate.tool_call_errors(call, tools)
+        errors = toolcall.tool_call_errors(call, tools)
         assert len(errors) == 1 and why in errors[0], (bad, errors)
     assert (
         "not one of"
-        in qualitygate.tool_call_errors({"calls": [{"name": "rm", "arguments": "{}"}]}, tools)[0]
+        in toolcall.tool_call_errors({"calls": [{"name": "rm", "arguments": "{}"}]}, tools)[0]
     )
-    assert "no tool call" in qualitygate.tool_call_errors({"calls": []}, tools)[0]
+    assert "no tool call" in toolcall.tool_call_errors({"calls": []}, tools)[0]
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Helpers for the operations tests: they run the real host-side programs (sparkple.ops) as
+"""Helpers for the operations tests: they run the real host-side programs (PROGRAMS) as
 subprocesses against real processes (the lab server, lab/lab_server.py, as the service), real
 HTTP servers and the real /proc."""
 
@@ -24,7 +24,7 @@ SHM = Path("/dev/shm")  # POSIX shared memory, where --ipc host engines leave se
 # The lab server managed as a service (start, stop, is-active), as systemd manages the unit.
 LAB_SERVICE = Path(__file__).with_name("lab_service.py")
 # The programs run from this checkout's package, as a host runs them from the installed copy
-# (PYTHONPATH=<package dir> python3 -m sparkple.ops.<program>).
+# (PYTHONPATH=<package dir> python3 -m sparkple.supervise.watchdog, ...).
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 
@@ -32,9 +32,21 @@ def meminfo_mib(field: str) -> int:
     return read_meminfo()[field] // (1024 * 1024)
 
 
+# The host programs by the names the tests use: the module each one runs as.
+PROGRAMS = {
+    "metrics": "sparkple.metrics.collect",
+    "pair-supervisor": "sparkple.pair.supervisor_cli",
+    "probe": "sparkple.supervise.probe",
+    "shm": "sparkple.supervise.shm",
+    "supervisor": "sparkple.supervise.supervisor_cli",
+    "sysctl": "sparkple.provision.sysctl",
+    "watchdog": "sparkple.supervise.watchdog",
+}
+
+
 def program(name: str, *args: object) -> list[str]:
-    """The command line of host program `name` (a module of sparkple.ops)."""
-    return [sys.executable, "-m", f"sparkple.ops.{name}", *map(str, args)]
+    """The command line of host program `name` (PROGRAMS)."""
+    return [sys.executable, "-m", PROGRAMS[name], *map(str, args)]
 
 
 def above_real_memory() -> int:

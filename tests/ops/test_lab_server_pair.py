@@ -1,7 +1,7 @@
 """A lab pair: lab/lab_server.py as the head (--node-rank 0) and its headless worker
 (--node-rank 1) of `vllm serve --tensor-parallel-size 2 --nnodes 2`, two real processes with a
 real TCP link on the loopback, each on a real table, with the multi-node words the pair's units
-get (sparkple.serving.pair). What each side does when the other dies is vLLM 0.33.0's
+get (sparkple.pair.plan). What each side does when the other dies is vLLM 0.33.0's
 multiproc executor's (docs/tensor-parallel.md): a head is healthy only while its worker is
 connected and its server exits after the step timeout once it is gone; a worker outlives its
 head and must be restarted."""
@@ -26,7 +26,7 @@ from test_lab_server_api import refused
 
 from sparkple.builder.build import build_table
 from sparkple.builder.synth import synth_checkpoint
-from sparkple.serving.pair import Pair, PairNode
+from sparkple.pair.plan import Pair, PairNode
 
 HEAD, WORKER = "spark-a", "spark-b"
 # The lab's stand-in for VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s on a Spark).

@@ -10,7 +10,7 @@ import time
 import pytest
 from ops_helpers import above_real_memory, wait_for, watchdog_cmd
 
-from sparkple.ops.alert import Alerter
+from sparkple.supervise.alert import Alerter
 
 
 @pytest.fixture

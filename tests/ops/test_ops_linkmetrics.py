@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from ops_helpers import program
 
-from sparkple.ops.linkcounters import PORT_ERRORS, ROCE_ERRORS
+from sparkple.pair.linkcounters import PORT_ERRORS, ROCE_ERRORS
 
 HCA, IFACE = "rocep1s0f1", "enp1s0f1np1"
 # a ConnectX-7's second port of the same link, as DGX OS names it (docs/two-sparks.md)

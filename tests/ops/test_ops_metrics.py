@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from ops_helpers import ROOT, program
 
-from sparkple.ops.host import block_device, device_names
-from sparkple.ops.state import SUPERVISOR_STATES
 from sparkple.runtime.pagecache import file_resident_pages
 from sparkple.runtime.stats import PLEStats, StatsFile
 from sparkple.runtime.tablemeta import FORMAT_VERSION, SourceFingerprint, TableMeta
+from sparkple.supervise.devices import block_device, device_names
+from sparkple.supervise.state import SUPERVISOR_STATES
 
 ROW = 90
 TABLE_BYTES = 16 * 1024 * 1024 - (16 * 1024 * 1024) % ROW  # whole rows, about 16 MiB
@@ -265,12 +265,12 @@ def test_a_slow_reader_never_sees_a_partial_file(tmp_path):
 
 
 def test_every_supervisor_state_has_a_gauge():
-    """The metrics export one gauge per state in sparkple.ops.state.SUPERVISOR_STATES: every
+    """The metrics export one gauge per state in sparkple.supervise.state.SUPERVISOR_STATES: every
     state the supervisor writes must be there, or its gauges all read 0 while it is in it."""
     # the modules that write the supervisor's state: its loop and the maintenance relaunch
     source = "".join(
-        (ROOT / "sparkple" / "ops" / name).read_text()
-        for name in ("supervisor.py", "supervision.py", "maintenance.py")
+        (ROOT / "sparkple" / "supervise" / name).read_text()
+        for name in ("supervisor_cli.py", "supervisor.py", "maintenance.py")
     )
     written = set(re.findall(r"""(?:state=|"state": |\["state"\] = )"([a-z-]+)\"""", source))
     assert {"starting", "running", "reset"} <= written  # the pattern finds all three spellings

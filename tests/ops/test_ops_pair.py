@@ -21,8 +21,8 @@ from lab_inputs import free_port
 from link_servers import RawServer, trickle
 from ops_helpers import ROOT, above_real_memory, program, read_json, wait_for, watchdog_cmd
 
-from sparkple.ops.pairlink import PAIR_FIELDS, PairLink
-from sparkple.ops.state import PAIR_BROKEN, SUPERVISOR_STATES, count_markers
+from sparkple.pair.pairlink import PAIR_FIELDS, PairLink
+from sparkple.supervise.state import PAIR_BROKEN, SUPERVISOR_STATES, count_markers
 
 UNITS = Path(__file__).with_name("pair_units.py")
 BASE = 0.5  # backoff base (s)
@@ -71,7 +71,7 @@ class Node:
 
     def supervisor(self, peer: Node, *extra: object) -> list[str]:
         return program(
-            "supervisor", "run",
+            "pair-supervisor", "run",
             "--state-dir", self.state,
             "--check-cmd", self.cmd("is-active"),
             "--start-cmd", self.cmd("start"),
@@ -112,7 +112,7 @@ class Node:
 
     def ops(self, *args: object) -> subprocess.CompletedProcess:
         return subprocess.run(
-            program("supervisor", *args, "--state-dir", self.state),
+            program("pair-supervisor", *args, "--state-dir", self.state),
             capture_output=True, text=True, timeout=30, check=True,
         )  # fmt: skip
 
@@ -321,13 +321,13 @@ def test_emergency_stops_on_the_worker_count_once_each_until_the_breaker_opens(
 
 def test_pair_flags_are_checked():
     bad = subprocess.run(
-        program("supervisor", "run", "--state-dir", "/nonexistent", "--pair-rank", "0"),
+        program("pair-supervisor", "run", "--state-dir", "/nonexistent", "--pair-rank", "0"),
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert bad.returncode == 2 and "--pair-listen '': use ADDRESS:PORT" in bad.stderr
     bad = subprocess.run(
         program(
-            "supervisor", "run", "--state-dir", "/nonexistent", "--pair-rank", "1",
+            "pair-supervisor", "run", "--state-dir", "/nonexistent", "--pair-rank", "1",
             "--pair-listen", "127.0.0.1:8470",
         ),
         capture_output=True, text=True, timeout=30,
@@ -337,8 +337,8 @@ def test_pair_flags_are_checked():
 
 def test_every_state_the_pair_supervisors_write_has_a_gauge():
     source = "".join(
-        (ROOT / "sparkple" / "ops" / name).read_text()
-        for name in ("pairing.py", "pair_head.py", "pair_worker.py")
+        (ROOT / "sparkple" / "pair" / name).read_text()
+        for name in ("member.py", "leader.py", "follower.py")
     )
     written = set(re.findall(r"""(?:state=|"state": |\["state"\] = )"([a-z-]+)\"""", source))
     assert {"standby", "launched", "starting"} <= written
@@ -356,7 +356,7 @@ def test_the_weekly_relaunch_on_the_head_relaunches_both_worker_first_without_an
     # the loop's flags (after "run"), without the smoke generation (the stand-in has no API)
     loop_flags = [*head.supervisor(worker)[4:], "--url", ""]
     done = subprocess.run(
-        [*program("supervisor", "relaunch"), *loop_flags],
+        [*program("pair-supervisor", "relaunch"), *loop_flags],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
@@ -367,7 +367,7 @@ def test_the_weekly_relaunch_on_the_head_relaunches_both_worker_first_without_an
     assert relaunched["generation"] == 2 and relaunched["backoff_s"] == 0
     assert head.events("pair-broken") == [] and not (head.state / "markers").exists()
     skipped = subprocess.run(
-        [*program("supervisor", "relaunch"), *worker.supervisor(head)[4:]],
+        [*program("pair-supervisor", "relaunch"), *worker.supervisor(head)[4:]],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert skipped.returncode == 0 and "the head's relaunch relaunches the pair" in skipped.stdout

@@ -13,7 +13,7 @@ import pytest
 from lab_inputs import free_port
 from link_servers import ANSWER, RawServer
 
-from sparkple.ops.pairlink import MAX_ANSWER, PairLink, mac, read_key
+from sparkple.pair.pairlink import MAX_ANSWER, PairLink, mac, read_key
 
 KEY = b"the-pair-key-0123456789abcdef"
 SIDE = {"pair": "p1", "rank": 1, "role": "worker", "state": "running", "generation": 3}

@@ -18,7 +18,7 @@ from sparkple.runtime.tablemeta import read_meta
 def status(tmp_path: Path, table_dir: Path) -> dict:
     (tmp_path / "state").mkdir(exist_ok=True)
     (tmp_path / "kmsg").touch()
-    argv = [sys.executable, "-m", "sparkple.ops.supervisor", "status", "--json",
+    argv = [sys.executable, "-m", "sparkple.supervise.supervisor_cli", "status", "--json",
             "--state-dir", str(tmp_path / "state"), "--kmsg", str(tmp_path / "kmsg"),
             "--table-dir", str(table_dir)]  # fmt: skip
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=60)

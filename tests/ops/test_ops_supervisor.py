@@ -22,7 +22,7 @@ from ops_helpers import (
     watchdog_cmd,
 )
 
-from sparkple.ops.state import count_markers, read_markers, write_marker
+from sparkple.supervise.state import count_markers, read_markers, write_marker
 
 BASE = 0.5
 
@@ -149,7 +149,7 @@ def test_a_start_failed_by_an_emergency_stop_is_not_a_launch_failure(tmp_path, l
     script.write_text(
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from sparkple.ops.state import write_marker\n"
+        "from sparkple.supervise.state import write_marker\n"
         f"write_marker(Path({str(state)!r}), 'emergency', time.time(), {{'reason': 'test'}})\n"
         "sys.exit(1)\n"
     )

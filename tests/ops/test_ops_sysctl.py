@@ -1,5 +1,6 @@
-"""Live kernel tunables applied and given back (kernel_tuning's sparkple.ops.sysctl), against a real
-directory tree shaped like /proc/sys (the real one is not writable from a test or a container)."""
+"""Live kernel tunables applied and given back (kernel_tuning's sparkple.provision.sysctl),
+against a real directory tree shaped like /proc/sys (the real one is not writable from a test or
+a container)."""
 
 from __future__ import annotations
 

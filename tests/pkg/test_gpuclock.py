@@ -1,5 +1,5 @@
-"""sparkple.gpuclock: nvidia-smi's answer parsed, a missing nvidia-smi reported as no clock, and
-the clock-difference rule, with a real executable standing in for nvidia-smi."""
+"""sparkple.measure.gpuclock: nvidia-smi's answer parsed, a missing nvidia-smi reported as no
+clock, and the clock-difference rule, with a real executable standing in for nvidia-smi."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkple import gpuclock
+from sparkple.measure import gpuclock
 
 
 def test_parse_reads_the_first_gpus_current_and_max_clock() -> None:

@@ -5,9 +5,14 @@ subpackages, and each layer imports only what the Python that runs it has.
   runtime/        the PLE runtime in the serving process: the base
   builder/        the table builder: the base and the runtime's table format and codec
   serving/        the serving plan: the base and the builder's safetensors header reader
-  ops/            the host programs: the base and the runtime's stats and table metadata
   patch/          the patch engine: the base
   vllm/           the vLLM adapter (0.33, 0.34) in the serving process: the base and the runtime
+  supervise/      one Spark's host programs: the base and the runtime's table metadata
+  pair/           two Sparks at TP 2: the base, the serving plan and one Spark's supervision
+  metrics/        the metrics program: the base, the runtime's stats, supervise and pair
+  measure/        measuring a running server: the base
+  provision/      the roles' provisioning tools: the base and supervise's state files
+  ops/            the host programs' old module paths (one release): the host-program rooms
 """
 
 from __future__ import annotations
@@ -20,7 +25,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "sparkple"
-SUBPACKAGES = ("builder", "ops", "patch", "runtime", "serving", "vllm")
+SUBPACKAGES = (
+    "builder",
+    "measure",
+    "metrics",
+    "ops",
+    "pair",
+    "patch",
+    "provision",
+    "runtime",
+    "serving",
+    "supervise",
+    "vllm",
+)
 BASE = ""
 # layer -> the layers it may import (besides itself)
 ALLOWED: dict[str, set[str]] = {
@@ -28,9 +45,14 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": {BASE},
     "builder": {BASE, "runtime"},
     "serving": {BASE, "builder"},
-    "ops": {BASE, "runtime"},
     "patch": {BASE},
     "vllm": {BASE, "runtime"},
+    "supervise": {BASE, "runtime"},
+    "pair": {BASE, "serving", "supervise"},
+    "metrics": {BASE, "runtime", "supervise", "pair"},
+    "measure": {BASE},
+    "provision": {BASE, "supervise"},
+    "ops": {"supervise", "pair", "metrics", "provision"},
 }
 # layer -> the third-party packages its modules may import (anywhere in them); the runtime's
 # torch and triton are imported where a step needs them, never by `sparkple build-table`
@@ -38,20 +60,27 @@ THIRD_PARTY: dict[str, set[str]] = {
     BASE: {"huggingface_hub"},  # `sparkple snapshot-manifest`, imported when it runs
     "runtime": {"numpy", "torch", "triton"},
     "builder": {"numpy"},
-    # pair-check's measurement only, imported when it runs in the serving image; the module
-    # stays standard-library on import (tests/serving/test_paircheck.py), as host programs need;
-    # matplotlib: the benchmark report's plot (the `bench` extra), imported when it draws
-    "serving": {"torch", "matplotlib"},
-    "ops": set(),
+    "serving": set(),
     "patch": {"jinja2", "yaml"},
     # the serving process's: vLLM and its torch
     "vllm": {"numpy", "torch", "vllm"},
+    # the host programs run on the host's python3 with nothing installed
+    "supervise": set(),
+    # pair-check's measurement only, imported when it runs in the serving image; the module
+    # stays standard-library on import (tests/serving/test_paircheck.py), as host programs need
+    "pair": {"torch"},
+    "metrics": set(),
+    # matplotlib: the benchmark report's plot (the `bench` extra), imported when it draws;
+    # vllm: vLLM's own serving benchmark (vllm_bench), run by a Python that has vLLM
+    "measure": {"matplotlib", "vllm"},
+    "provision": set(),
+    "ops": set(),
 }
 
 
 def layer_of(module: str) -> str:
     parts = module.split(".")
-    return parts[1] if len(parts) > 2 and parts[1] in SUBPACKAGES else BASE
+    return parts[1] if len(parts) > 1 and parts[1] in SUBPACKAGES else BASE
 
 
 def imports(path: Path, root: Path = ROOT) -> list[str]:

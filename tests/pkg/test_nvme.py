@@ -206,7 +206,7 @@ def test_status_reports_the_table_drive_in_its_json_and_its_line(
     sysfs: Path, tmp_path: Path
 ) -> None:
     """`supervisor status` (sparkple-ops status, playbooks/status.yml) and the heartbeat line."""
-    from sparkple.ops.status import one_line, report
+    from sparkple.supervise.status import one_line, report
 
     (tmp_path / "state").mkdir()
     (tmp_path / "kmsg").write_text("")

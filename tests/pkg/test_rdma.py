@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from sparkple.pair.link import parse_hcas as link_hcas
 from sparkple.rdma import Hca, HcaError, parse_hcas
-from sparkple.serving.link import parse_hcas as link_hcas
 from sparkple.serving.recipe import ServingError
 
 

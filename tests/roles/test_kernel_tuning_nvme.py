@@ -134,7 +134,7 @@ def run_role(
         "sparkple_state_dir": str(work / "state"),
         "kernel_tuning_sysctl_file": str(work / "60-sparkple.conf"),
         "kernel_tuning_sysctl_cmd": (
-            f"/usr/bin/env PYTHONPATH={ROOT} {sys.executable} -m sparkple.ops.sysctl "
+            f"/usr/bin/env PYTHONPATH={ROOT} {sys.executable} -m sparkple.provision.sysctl "
             f"--proc-sys {work / 'proc-sys'}"
         ),
         "kernel_tuning_nvme_cmd": (

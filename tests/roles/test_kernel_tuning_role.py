@@ -3,7 +3,7 @@ default, vm.compaction_proactiveness=0 on request, both set live and given back 
 off, and a value out of the kernel's range refused naming the host, the variable and the range.
 
 The live writes go to a real directory tree shaped like /proc/sys (the real one is not writable
-from a test or a container): the role's own sparkple.ops.sysctl command line gets `--proc-sys`
+from a test or a container): the role's own sparkple.provision.sysctl command line gets `--proc-sys`
 pointing at it. Two small scripts first on PATH stand for the host's tools: `systemd-detect-virt`
 answers as on bare metal ("none", exit 1; this test machine is a container, where the role
 rightly applies nothing), and `sysctl -p FILE` writes the file's keys into the same tree, as
@@ -61,7 +61,7 @@ def run_role(work: Path, **knobs: object) -> subprocess.CompletedProcess[str]:
         "kernel_tuning_sysctl_file": str(work / "60-sparkple.conf"),
         "sparkple_state_dir": str(work / "state"),
         "kernel_tuning_sysctl_cmd": (
-            f"/usr/bin/env PYTHONPATH={ROOT} {sys.executable} -m sparkple.ops.sysctl "
+            f"/usr/bin/env PYTHONPATH={ROOT} {sys.executable} -m sparkple.provision.sysctl "
             f"--proc-sys {proc_sys}"
         ),
         # the table's NVMe drive: tests/roles/test_kernel_tuning_nvme.py, on a fake sysfs tree

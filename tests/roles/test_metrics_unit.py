@@ -1,5 +1,5 @@
 """ple_metrics' unit on a pair's nodes and on a single Spark, rendered by Ansible from the role's
-own template with the pair description sparkple.serving.pair gives each host, and parsed by the
+own template with the pair description sparkple.pair.plan gives each host, and parsed by the
 metrics program's own parser: a pair node reads its own side of the link."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import yaml
 from ansible_local import run_playbook
 from pair_inventory import TWIN_HCAS, pair_hostvars
 
-from sparkple.ops.metrics import parse_args
-from sparkple.serving.pair import pair_of
+from sparkple.metrics.collect import parse_args
+from sparkple.pair.plan import pair_of
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = ROOT / "roles" / "ple_metrics"
@@ -50,7 +50,7 @@ def exec_start(tmp_path: Path, pair_info: dict) -> list[str]:
     (line,) = re.findall(r"^ExecStart=(.*?)\n(?!    )", out.read_text(), re.M | re.S)
     words = shlex.split(line.replace("\\\n", " "))
     # sparkple_host_python is `/usr/bin/env PYTHONPATH=... python3`: the program's words follow
-    start = words.index("sparkple.ops.metrics")
+    start = words.index("sparkple.metrics.collect")
     assert words[start - 1] == "-m" and words[start - 2].endswith("python3"), words
     return words[start + 1 :]
 
@@ -77,7 +77,7 @@ def test_a_single_spark_has_no_link(tmp_path):
 
 
 def program_words(*args: object) -> list[str]:
-    return [sys.executable, "-m", "sparkple.ops.metrics", *map(str, args)]
+    return [sys.executable, "-m", "sparkple.metrics.collect", *map(str, args)]
 
 
 def run_link_check(tmp_path: Path, pair_info: dict):

@@ -12,8 +12,9 @@ import pytest
 from ansible_local import run_playbook
 from pair_inventory import pair_hostvars
 
-from sparkple.ops.supervisor import parse_args
-from sparkple.serving.pair import pair_of
+from sparkple.pair.plan import pair_of
+from sparkple.pair.supervisor_cli import parse_args
+from sparkple.supervise import supervisor_cli as single_spark
 
 ROOT = Path(__file__).resolve().parents[2]
 HOSTVARS = pair_hostvars(interface="enp1s0f0np0", hcas=("rocep1s0f0", "rocep1s0f1"))
@@ -26,6 +27,7 @@ PLAY = """
     - {root}/roles/serving_supervisor/vars/main.yml
   vars:
     rendered:
+      cmd: "{{{{ serving_supervisor_cmd }}}}"
       flags: "{{{{ serving_supervisor_flags }}}}"
       units: "{{{{ serving_supervisor_units }}}}"
   tasks:
@@ -50,6 +52,7 @@ def test_a_pair_node_gets_its_rank_link_and_peer(tmp_path, host):
     assert pair is not None
     info = pair.describe(host)
     got = rendered(tmp_path, info)
+    assert got["cmd"].endswith(" -m sparkple.pair.supervisor_cli")  # the pair's program
     args = parse_args(["run", *shlex.split(got["flags"])])
     peer = HOSTVARS["spark-b" if host == "spark-a" else "spark-a"]["sparkple_pair_link_address"]
     assert args.pair == "p1" and args.pair_rank == info["rank"]
@@ -65,8 +68,9 @@ def test_a_pair_node_gets_its_rank_link_and_peer(tmp_path, host):
 
 def test_a_single_spark_gets_no_pair_flags(tmp_path):
     got = rendered(tmp_path, {})
+    assert got["cmd"].endswith(" -m sparkple.supervise.supervisor_cli")  # one Spark's program
     assert "--pair" not in got["flags"]
-    assert parse_args(["run", *shlex.split(got["flags"])]).pair_rank is None
+    assert single_spark.parse_args(["run", *shlex.split(got["flags"])]).state_dir
     assert {u["name"]: u["start"] for u in got["units"]}["sparkple-relaunch.timer"] is True
 
 
@@ -101,7 +105,9 @@ def test_the_status_line_names_the_pair_on_a_pair_node_only(tmp_path, paired):
         tmp_path,
         STATUS_PLAY.format(root=ROOT),
         {"out": str(out), "sparkple_ops_state_dir": str(state),
-         "sparkple_host_python": f"env PYTHONPATH={ROOT} {sys.executable}"},
+         "sparkple_host_python": f"env PYTHONPATH={ROOT} {sys.executable}",
+         # which supervisor program the node runs (a pair's or a single Spark's)
+         "sparkple_pair_info": {"name": "p1", "rank": 1} if paired else {}},
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     line = out.read_text()

@@ -1,4 +1,4 @@
-"""A pair node's link checks (sparkple.serving.link) on a fake sysfs/proc tree, with real
+"""A pair node's link checks (sparkple.pair.link) on a fake sysfs/proc tree, with real
 sockets for the peer, and NCCL's init lines read for the transport; the CLI as the unit runs it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkple.serving.link import (
+from sparkple.pair.link import (
     KNOWN_BAD_KERNELS,
     LinkSpec,
     check_link,

@@ -1,4 +1,4 @@
-"""The pair description (sparkple.serving.pair) and the roles' sparkple_pair_info, through a
+"""The pair description (sparkple.pair.plan) and the roles' sparkple_pair_info, through a
 real ansible-playbook run on an inventory that names a pair."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from ansible_local import ansible_playbook
 from pair_inventory import pair_hostvars, pair_node
 
-from sparkple.serving.pair import pair_of, pairs_of
+from sparkple.pair.plan import pair_of, pairs_of
 from sparkple.serving.recipe import ServingError
 
 ROOT = Path(__file__).resolve().parents[2]

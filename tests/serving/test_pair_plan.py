@@ -128,7 +128,7 @@ def test_the_documented_inventories_describe_a_valid_pair() -> None:
 
     import yaml
 
-    from sparkple.serving.pair import pairs_of
+    from sparkple.pair.plan import pairs_of
 
     section = (ROOT / "docs" / "two-sparks.md").read_text()
     (block,) = re.findall(r"## The inventory\n.*?```yaml\n(.*?)```", section, re.S)

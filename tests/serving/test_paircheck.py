@@ -20,7 +20,7 @@ from ansible_local import ansible_playbook
 from pair_inventory import pair_hostvars
 
 from sparkple.cli import main as cli_main
-from sparkple.serving.paircheck import MIB, Figure, bus_factor
+from sparkple.pair.linkbench import MIB, Figure, bus_factor
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 180
@@ -383,7 +383,7 @@ def test_the_module_imports_only_the_standard_library_until_it_measures() -> Non
     # sparkple.serving is imported by host programs on a bare python3: torch loads in measure()
     code = (
         "import json, sys\n"
-        "import sparkple.cli, sparkple.serving.paircheck\n"
+        "import sparkple.cli, sparkple.pair.linkbench\n"
         "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))\n"
     )
     done = subprocess.run(
@@ -392,4 +392,4 @@ def test_the_module_imports_only_the_standard_library_until_it_measures() -> Non
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     foreign = set(json.loads(done.stdout)) - sys.stdlib_module_names - {"sparkple", "__main__"}
-    assert not foreign, f"sparkple.serving.paircheck imports {sorted(foreign)}"
+    assert not foreign, f"sparkple.pair.linkbench imports {sorted(foreign)}"

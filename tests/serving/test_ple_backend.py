@@ -20,8 +20,8 @@ from sparkple.serving.recipe import (
     OWNED_FLAGS,
     Recipe,
     ServingError,
-    profile_vllm_version,
 )
+from sparkple.serving.served import profile_vllm_version
 
 ROOT = Path(__file__).resolve().parents[2]
 MEMTOTAL = int(119.7 * GIB)  # docs/serving.md's worked example

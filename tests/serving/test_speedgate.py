@@ -1,4 +1,4 @@
-"""The rollout's speed gate (sparkple/serving/speedgate.py): its figures from a real lab server
+"""The rollout's speed gate (sparkple/measure/speedgate.py): its figures from a real lab server
 whose engine takes a fixed time per token, and its verdict, through the command line."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from lab_inputs import ROOT, lab_server
 from sparkple.builder.build import build_table
 from sparkple.builder.synth import synth_checkpoint
 from sparkple.errors import SparkpleError
-from sparkple.serving import speedgate
+from sparkple.measure import speedgate
 
 MODEL = "qwen3.8-flash-next"
 DELAY_S = 0.04  # the lab engine's time per token: at most 25 tok/s per stream

@@ -83,7 +83,7 @@ def check(parser, request: dict) -> dict:
         "gpu_memory_utilization": engine_args.gpu_memory_utilization,
         "hf_overrides": engine_args.hf_overrides,
         "async_scheduling": engine_args.async_scheduling,
-        # the multi-node words of a pair (sparkple.serving.pair)
+        # the multi-node words of a pair (sparkple.pair.plan)
         "tensor_parallel_size": engine_args.tensor_parallel_size,
         "nnodes": engine_args.nnodes,
         "node_rank": engine_args.node_rank,

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from hf_snapshot import hf_cache_snapshot
 
+from sparkple.pair.plan import Pair, PairNode
 from sparkple.serving.budget import GIB, BudgetKnobs
 from sparkple.serving.cli import PairRank, plan
-from sparkple.serving.pair import Pair, PairNode
 from sparkple.serving.recipe import Recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +44,7 @@ CASES: dict[str, tuple[dict, dict]] = {
         {},
     ),  # noqa: E501
 }
-# A pair's two nodes (sparkple.serving.pair): the production recipe per rank.
+# A pair's two nodes (sparkple.pair.plan): the production recipe per rank.
 PAIR_CASES = {"pair-head": PairRank(0, "192.168.100.10", 29501),
               "pair-worker": PairRank(1, "192.168.100.10", 29501)}  # fmt: skip
 
@@ -325,7 +325,7 @@ def test_lab_server_accepts_only_vllm_flags(checked: dict) -> None:
             assert flag in lab.ACCEPTED_FLAGS, f"the lab server would refuse {flag}"
 
 
-# A pair of the inventory (sparkple.serving.pair): the head's link address is the rendezvous.
+# A pair of the inventory (sparkple.pair.plan): the head's link address is the rendezvous.
 LAB_PAIR = Pair(
     name="lab",
     head=PairNode("spark-a", 0, "10.0.0.1", "enp1s0f1np1", "rocep1s0f1", 3),

@@ -1,4 +1,4 @@
-"""sparkple_pair: this host's side of its pair (sparkple.serving.pair), {} for a single Spark;
+"""sparkple_pair: this host's side of its pair (sparkple.pair.plan), {} for a single Spark;
 sparkple_pair_disagreements: what a pair's two nodes differ in (preflight, tasks_from: pair).
 
     sparkple_pair_info: "{{ hostvars | sparkple_pair(inventory_hostname, groups['all']) }}"
@@ -24,7 +24,7 @@ def sparkple_pair(hostvars: Mapping[str, Any], host: str, hosts: Iterable[str]) 
     if str(CHECKOUT) not in sys.path:
         sys.path.insert(0, str(CHECKOUT))
     from sparkple.errors import SparkpleError
-    from sparkple.serving.pair import inventory_view, pair_of
+    from sparkple.pair.plan import inventory_view, pair_of
 
     # in inventory order (a set would name the hosts of an error in any order)
     described = inventory_view(hostvars, dict.fromkeys([*hosts, host]))
@@ -39,7 +39,7 @@ def sparkple_pair_disagreements(head: Mapping[str, Any], worker: Mapping[str, An
     """What the two nodes' identities (preflight, tasks_from: pair) differ in, one line each."""
     if str(CHECKOUT) not in sys.path:
         sys.path.insert(0, str(CHECKOUT))
-    from sparkple.serving.pair import disagreements
+    from sparkple.pair.plan import disagreements
 
     return disagreements(head, worker)
 
