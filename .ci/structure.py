@@ -29,19 +29,28 @@ def room_of(module: str) -> str:
     return BASE
 
 
-def imported(path: Path) -> list[str]:
-    """The sparkple modules `path` imports, anywhere in it, as absolute names."""
-    package = list(path.relative_to(ROOT).parts[:-1])
+def imports(path: Path, root: Path = ROOT) -> list[str]:
+    """Every module `path` imports, anywhere in it, as an absolute name (for `from .. import x`
+    the names are modules: each counts)."""
+    package = list(path.relative_to(root).parts[:-1])  # for __init__.py: the package itself
     found = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level:
             base = ".".join(package[: len(package) - node.level + 1])
-            found.append(f"{base}.{node.module}" if node.module else base)
+            if node.module is None:
+                found += [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                found.append(f"{base}.{node.module}")
         elif isinstance(node, ast.ImportFrom):
             found.append(node.module or "")
-    return [name for name in found if name.split(".")[0] == "sparkple"]
+    return found
+
+
+def imported(path: Path) -> list[str]:
+    """The sparkple modules `path` imports."""
+    return [name for name in imports(path, ROOT) if name.split(".")[0] == "sparkple"]
 
 
 def graph() -> tuple[dict[str, list[str]], Counter[tuple[str, str]]]:

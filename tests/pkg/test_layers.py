@@ -17,13 +17,19 @@ subpackages, and each layer imports only what the Python that runs it has.
 
 from __future__ import annotations
 
-import ast
+import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# the import reader the structure drawing uses too (.ci/structure.py): one reading of the code
+_spec = importlib.util.spec_from_file_location("structure", ROOT / ".ci" / "structure.py")
+assert _spec is not None and _spec.loader is not None
+structure = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(structure)
+imports = structure.imports
 PACKAGE = ROOT / "sparkple"
 SUBPACKAGES = (
     "builder",
@@ -67,7 +73,7 @@ THIRD_PARTY: dict[str, set[str]] = {
     # the host programs run on the host's python3 with nothing installed
     "supervise": set(),
     # pair-check's measurement only, imported when it runs in the serving image; the module
-    # stays standard-library on import (tests/serving/test_paircheck.py), as host programs need
+    # stays standard-library on import (tests/pair/test_linkbench.py), as host programs need
     "pair": {"torch"},
     "metrics": set(),
     # matplotlib: the benchmark report's plot (the `bench` extra), imported when it draws;
@@ -81,24 +87,6 @@ THIRD_PARTY: dict[str, set[str]] = {
 def layer_of(module: str) -> str:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 and parts[1] in SUBPACKAGES else BASE
-
-
-def imports(path: Path, root: Path = ROOT) -> list[str]:
-    """Every module `path` imports, anywhere in it, as an absolute name."""
-    package = list(path.relative_to(root).parts[:-1])  # for __init__.py: the package itself
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            found += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level:
-            base = ".".join(package[: len(package) - node.level + 1])
-            if node.module is None:  # `from .. import stats`: the names are modules
-                found += [f"{base}.{alias.name}" for alias in node.names]
-            else:
-                found.append(f"{base}.{node.module}")
-        elif isinstance(node, ast.ImportFrom):
-            found.append(node.module or "")
-    return found
 
 
 def wrong_way(module: str, names: list[str]) -> list[str]:
