@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -419,7 +420,10 @@ def test_figures_under_close_clocks_are_compared_and_the_conditions_said(
     assert "Fail the canary below the speed gate's ratio" in proc.stdout
     assert "not compared" not in proc.stdout
     assert "speed gate: localhost GPU clock: new 2850/3003 MHz" in proc.stdout
-    assert "speed gate: localhost warm-up: new settled after " in proc.stdout
+    # the warm-up is said either way: a loaded machine may keep two rounds from agreeing
+    assert re.search(
+        r"speed gate: localhost warm-up: new (settled after|did NOT settle in) ", proc.stdout
+    )
 
 
 def test_the_warm_up_runs_until_two_rounds_agree(servers: dict[str, str]) -> None:
