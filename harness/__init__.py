@@ -15,6 +15,8 @@
   against it in the vLLM venv;
 - lay_over: the rendered patch laid over vLLM in a process (standard library only: the GPU
   check's import smoke test uses it too).
+- procs: the processes /proc shows (state, parent, group), for the served engine's stop and the
+  tests' process guard.
 
 The scripts run inside the vLLM venv with the checkout's root on PYTHONPATH, and import each
 other as `harness.*`.

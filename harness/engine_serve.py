@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 from harness import engine, wheel_cache  # noqa: E402
+from harness.procs import process_stats  # noqa: E402
 
 CLIENT_SCRIPT = Path(__file__).resolve().with_name("engine_serve_client.py")
 SERVED_MODEL_NAME = "qwen3.8-flash-next"
@@ -268,19 +269,11 @@ def wait_until_ready(server: Server, timeout: float = 600) -> float:
 def group_members(pgid: int) -> list[int]:
     """The live processes of process group `pgid` (zombies left out: a process that exited and
     waits for its parent to reap it, which pytest's subreaper does for an orphan only later)."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # after the command name (in parentheses, may hold spaces): state, ppid, pgrp, ...
-        state, _, pgrp = stat[stat.rindex(")") + 2 :].split()[:3]
-        if int(pgrp) == pgid and state not in ("Z", "X"):
-            members.append(int(entry.name))
-    return members
+    return [
+        pid
+        for pid, stat in process_stats().items()
+        if stat.pgrp == pgid and stat.state not in ("Z", "X")
+    ]
 
 
 def stop_server(server: Server, grace: float = STOP_GRACE_S) -> dict[str, Any]:

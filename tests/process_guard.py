@@ -18,30 +18,19 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+
+from harness.procs import PROC, process_stats
 
 PR_SET_CHILD_SUBREAPER = 36
 # what a process that is already exiting (a server told to stop) may take
 GRACE_S = 10.0
-PROC = Path("/proc")
 
 
 def parents() -> dict[int, tuple[int, str]]:
     """pid -> (parent pid, state) of every process /proc shows."""
-    found = {}
-    for entry in PROC.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # the command name is in parentheses and may hold spaces: the fields follow the last ')'
-        fields = stat[stat.rindex(")") + 2 :].split()
-        found[int(entry.name)] = (int(fields[1]), fields[0])
-    return found
+    return {pid: (stat.ppid, stat.state) for pid, stat in process_stats().items()}
 
 
 def command_line(pid: int) -> str:
