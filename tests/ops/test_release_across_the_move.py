@@ -3,7 +3,7 @@ pair/, metrics/, provision/): the release's server runs on the package version i
 (the release role's deploy mounts that version: tests/fleet/test_release_role.py), which has the
 old layout, while the supervisor runs from the newest package, by the unit's new module path or
 by the old one a unit rendered before the move still has. The old package is the tree of the last
-commit before the move, as sparkple_package installed it (data/package-before-the-move.tar.gz)."""
+commit before the move, as sparkple_package installed it (tests/package_before_the_move.py)."""
 
 from __future__ import annotations
 
@@ -18,15 +18,9 @@ from typing import Any
 import pytest
 from lab_inputs import free_port
 from ops_helpers import ROOT, LabService, program, read_json, wait_for
+from package_before_the_move import ARCHIVE, BEFORE_THE_MOVE, unpack
 
 pytestmark = pytest.mark.slow  # the lab server starts three times
-
-# What sparkple_package copied at the last commit with the host programs in sparkple/ops/ (the
-# package and the patch templates):
-#   git archive --format=tar e89b361 sparkple templates | gzip -9n
-# It goes with the old module paths (sparkple/ops/), in the release after next.
-BEFORE_THE_MOVE = "e89b361463ec672c9426813bd2702cf5e30bafa7"
-ARCHIVE = Path(__file__).with_name("data") / "package-before-the-move.tar.gz"
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +29,7 @@ def old_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
     sparkple_package unpacks one."""
     version = tmp_path_factory.mktemp("versions") / BEFORE_THE_MOVE[:16]
     version.mkdir()
-    subprocess.run(["tar", "-xzf", ARCHIVE, "-C", version], check=True, timeout=60)
-    # the old layout: the host programs in one room, none of the new ones
-    assert (version / "sparkple" / "ops" / "supervision.py").is_file()
-    assert not (version / "sparkple" / "supervise").exists()
-    return version
+    return unpack(version)
 
 
 def test_the_archive_is_the_package_before_the_move() -> None:
